@@ -1,0 +1,12 @@
+"""QNN node visitors that give mutable buffers their state encoding.
+
+Importing this package registers them in ExecuTorch's QNN builder registry,
+replacing upstream's visitors for the same targets; lowering imports it.
+"""
+
+import executorch.backends.qualcomm.builders  # noqa: F401  (upstream visitors first)
+
+from qnn_mutbuf.builders import op_index_put  # noqa: F401  (registers on import)
+from qnn_mutbuf.builders.state_write import register_state_write_visitors
+
+register_state_write_visitors()

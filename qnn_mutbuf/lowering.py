@@ -1,0 +1,374 @@
+"""quantize() and lower(): the driver from a PyTorch module to an ExecuTorch program.
+
+quantize() exports, prepares with MutableBufferQnnQuantizer, calibrates by running
+the steps in order (so the state evolves as in real decoding) and converts. lower()
+exports the result for the QNN HTP backend, keeps each mutable buffer either inside
+the delegate or at top level, and makes every buffer start each load from the
+model's initial contents.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import GraphModule
+
+from qnn_mutbuf.detect import find_mutable_buffers
+from qnn_mutbuf.errors import InputError, LoweringError
+from qnn_mutbuf.passes.initial_state import STARTED_BUFFER
+from qnn_mutbuf.progress import progress, stage
+
+logger = logging.getLogger(__name__)
+
+QUANT_SCHEMES = ("8a8w", "16a8w", "16a4w", "16a16w")
+RECORD_KEY = "qnn_mutbuf"
+
+
+@dataclass
+class StateEncodingRecord:
+    """Scale, zero point and integer range of one buffer's state encoding."""
+
+    scale: float
+    zero_point: int
+    quant_min: int
+    quant_max: int
+    dtype: str
+
+    def step(self) -> float:
+        return self.scale
+
+
+@dataclass
+class QuantizationRecord:
+    """What quantize() did, kept in ``GraphModule.meta["qnn_mutbuf"]``."""
+
+    quant: str
+    mutable_buffers: dict[str, tuple[list[int], str]] = field(default_factory=dict)
+    state_encodings: dict[str, StateEncodingRecord] = field(default_factory=dict)
+    initial_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    calibration_steps: int = 0
+
+
+def quant_dtype(quant: str):
+    from executorch.backends.qualcomm.quantizer.quantizer import QuantDtype
+
+    mapping = {
+        "8a8w": QuantDtype.use_8a8w,
+        "16a8w": QuantDtype.use_16a8w,
+        "16a4w": QuantDtype.use_16a4w,
+        "16a16w": QuantDtype.use_16a16w,
+    }
+    if quant not in mapping:
+        raise InputError(f"Unknown quant scheme {quant!r}; use one of {', '.join(QUANT_SCHEMES)}.")
+    return mapping[quant]
+
+
+def default_quantizer(quant: str = "8a8w", soc: str = "SM8650"):
+    """MutableBufferQnnQuantizer with per-channel weights and min-max activations.
+
+    Calibration for decoders is a few steps; a moving-average observer under-ranges
+    activations and state seen over so few samples, a min-max observer does not.
+    """
+    from torchao.quantization.pt2e import MinMaxObserver
+
+    from qnn_mutbuf.quantizer import MutableBufferQnnQuantizer
+    from qnn_mutbuf.soc import resolve_soc
+
+    quantizer = MutableBufferQnnQuantizer(soc_model=resolve_soc(soc))
+    quantizer.set_default_quant_config(
+        quant_dtype(quant),
+        is_conv_per_channel=True,
+        is_linear_per_channel=True,
+        act_observer=MinMaxObserver,
+    )
+    return quantizer
+
+
+def check_steps(steps: Sequence, what: str = "calibration") -> list[tuple[torch.Tensor, ...]]:
+    """Steps are a non-empty list of per-step input tuples of tensors."""
+    if isinstance(steps, (tuple, list)) and steps and isinstance(steps[0], torch.Tensor):
+        raise InputError(
+            f"{what} must be a list of per-step input tuples, e.g. [(x0,), (x1,)], "
+            "not a single tuple of tensors."
+        )
+    if not isinstance(steps, (list, tuple)) or not steps:
+        raise InputError(f"{what} must be a non-empty list of per-step input tuples.")
+    checked = []
+    for index, step in enumerate(steps):
+        if isinstance(step, torch.Tensor):
+            step = (step,)
+        if not isinstance(step, (list, tuple)) or not all(
+            isinstance(value, torch.Tensor) for value in step
+        ):
+            raise InputError(f"{what} step {index} must be a tuple of tensors, got {step!r:.80}.")
+        checked.append(tuple(step))
+    return checked
+
+
+def quantize(
+    module: torch.nn.Module,
+    calibration: list[tuple],
+    *,
+    quant: str = "8a8w",
+    quantizer=None,
+) -> GraphModule:
+    """Exports, prepares, calibrates step by step and converts `module`.
+
+    Mutable buffers are never folded into frozen constants; weights are. The returned
+    module is the fake-quant reference: run it eagerly from its returned state to get
+    what the phone should compute. Its buffers hold the model's initial state again.
+    """
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    steps = check_steps(calibration)
+    if quantizer is None:
+        quantizer = default_quantizer(quant)
+    else:
+        quant_dtype(quant)  # validate the name even when the quantizer decides
+    if isinstance(module, torch.nn.Module) and not isinstance(module, GraphModule):
+        module = module.eval()
+    initial_module_state = {
+        name: value.detach().clone() for name, value in module.named_buffers()
+    }
+    with stage("export"):
+        exported = torch.export.export(module, steps[0], strict=False)
+        graph_module = exported.module()
+    with stage("prepare"):
+        prepared = prepare_pt2e(graph_module, quantizer)
+    mutable = sorted(find_mutable_buffers(prepared))
+    initial = {name: prepared.get_buffer(name).detach().clone() for name in mutable}
+    with torch.no_grad():
+        for inputs in progress(steps, description="calibration"):
+            prepared(*inputs)
+    with torch.no_grad():
+        for name, value in initial.items():
+            prepared.get_buffer(name).copy_(value)
+        # Non-strict export may share buffer tensors with the caller's module.
+        for name, value in module.named_buffers():
+            if name in initial_module_state:
+                value.copy_(initial_module_state[name])
+    with stage("convert"):
+        converted = convert_pt2e(prepared)
+    check_buffers_kept(converted, mutable)
+    record = QuantizationRecord(
+        quant=quant,
+        mutable_buffers={
+            name: (list(initial[name].shape), str(initial[name].dtype).removeprefix("torch."))
+            for name in mutable
+        },
+        state_encodings=read_state_encodings(converted),
+        initial_state={name: value.clone() for name, value in initial.items()},
+        calibration_steps=len(steps),
+    )
+    converted.meta[RECORD_KEY] = record
+    return converted
+
+
+def check_buffers_kept(converted: GraphModule, mutable: Sequence[str]) -> None:
+    """Fails when convert folded a mutable buffer into a frozen constant."""
+    written = set(find_mutable_buffers(converted))
+    lost = [name for name in mutable if name not in written]
+    if lost:
+        raise LoweringError(
+            f"convert_pt2e folded the mutable buffer(s) {', '.join(lost)} into frozen "
+            "constants, so they would never change on device. Quantize with "
+            "qnn_mutbuf.MutableBufferQnnQuantizer (or qnn_mutbuf.quantize)."
+        )
+
+
+def read_state_encodings(converted: GraphModule) -> dict[str, StateEncodingRecord]:
+    """The encoding of each quantized buffer, read from the q/dq of its write-back."""
+    encodings = {}
+    dequantize = torch.ops.quantized_decomposed.dequantize_per_tensor.default
+    for name, writers in find_mutable_buffers(converted).items():
+        write_back = writers[-1]
+        value = write_back.args[1] if len(write_back.args) > 1 else None
+        if isinstance(value, torch.fx.Node) and value.target == dequantize:
+            _, scale, zero_point, quant_min, quant_max, dtype = value.args[:6]
+            encodings[name] = StateEncodingRecord(
+                float(scale), int(zero_point), int(quant_min), int(quant_max),
+                str(dtype).removeprefix("torch."),
+            )
+    return encodings
+
+
+@dataclass
+class LoweringReport:
+    """What lower() produced, for logs and the CLI's JSON."""
+
+    soc: str
+    fp16: bool
+    delegate_mutable_buffers: bool
+    seconds: float
+    nodes_on_htp: int
+    nodes_on_cpu: int
+    cpu_ops: list[str]
+    delegated_buffers: list[str]
+    top_level_buffers: list[str]
+
+
+def lower(
+    model_or_quantized: torch.nn.Module,
+    example_inputs: tuple,
+    *,
+    soc: str = "SM8650",
+    delegate_mutable_buffers: bool = True,
+    fp16: bool = False,
+):
+    """Lowers to the QNN HTP backend; returns an ``ExecutorchProgramManager``.
+
+    With ``delegate_mutable_buffers=True`` each KV cache lives inside the delegate
+    (one address for its input and output, no top-level copy). Every mutable buffer
+    starts each load from the model's initial contents, zeros included.
+    """
+    from qnn_mutbuf.sdk import activate_host_sdk
+    from qnn_mutbuf.soc import resolve_soc
+
+    chipset = resolve_soc(soc)
+    activate_host_sdk()
+    inputs = tuple(example_inputs)
+    if not all(isinstance(value, torch.Tensor) for value in inputs):
+        raise InputError("example_inputs must be a tuple of tensors (one step's inputs).")
+    graph_module = _as_graph_module(model_or_quantized, inputs, fp16)
+    start = time.monotonic()
+    program, report = lower_graph_module(
+        graph_module,
+        inputs,
+        chipset=chipset,
+        soc=soc.upper(),
+        fp16=fp16,
+        delegate_mutable_buffers=delegate_mutable_buffers,
+    )
+    report.seconds = time.monotonic() - start
+    program.qnn_mutbuf_report = report
+    return program
+
+
+def _as_graph_module(model: torch.nn.Module, inputs: tuple, fp16: bool) -> GraphModule:
+    from qnn_mutbuf.passes.functionalize import functionalize_mutable_buffers
+
+    quantized = isinstance(model, GraphModule) and any(
+        node.op == "call_function" and "quantize_per" in str(node.target)
+        for node in model.graph.nodes
+    )
+    if quantized:
+        if fp16:
+            raise LoweringError(
+                "fp16=True needs the floating-point model; this module is already quantized. "
+                "Pass the original nn.Module, or drop fp16 to lower the quantized model."
+            )
+        return model
+    if not fp16:
+        raise LoweringError(
+            "The model is not quantized. Run qnn_mutbuf.quantize(model, calibration) first, "
+            "or pass fp16=True to run it in floating point on the HTP."
+        )
+    if not isinstance(model, GraphModule):
+        model = torch.export.export(model.eval(), inputs, strict=False).module()
+    return functionalize_mutable_buffers(model)
+
+
+def lower_graph_module(
+    graph_module: GraphModule,
+    inputs: tuple,
+    *,
+    chipset,
+    soc: str,
+    fp16: bool,
+    delegate_mutable_buffers: bool,
+):
+    """Export -> QNN edge passes -> partition -> ExecuTorch program, buffer-aware."""
+    import copy
+
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
+    from executorch.backends.qualcomm.serialization.qc_schema import QnnExecuTorchBackendType
+    from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+        get_qnn_context_binary_alignment,
+        qnn_edge_config,
+    )
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.program._program import to_edge_transform_and_lower
+
+    import qnn_mutbuf.builders  # noqa: F401  (registers our QNN visitors)
+    from qnn_mutbuf.partitioner import MutableBufferQnnPartitioner
+    from qnn_mutbuf.passes.initial_state import (
+        InsertInitialStateSelect,
+        mark_initialized_buffers,
+    )
+
+    graph_module = copy.deepcopy(graph_module)
+    record = graph_module.meta.get(RECORD_KEY)
+    mutable = find_mutable_buffers(graph_module)
+    if delegate_mutable_buffers and mutable:
+        initial = record.initial_state if record is not None else None
+        graph_module = InsertInitialStateSelect(initial)(graph_module).graph_module
+
+    compiler_specs = generate_qnn_executorch_compiler_spec(
+        soc_model=chipset, backend_options=generate_htp_compiler_spec(use_fp16=fp16)
+    )
+    with stage("export for QNN"):
+        exported = torch.export.export(graph_module, inputs, strict=True)
+    pass_manager = get_qnn_pass_manager_cls(QnnExecuTorchBackendType.kHtpBackend)()
+    exported = pass_manager.transform_for_export_pipeline(exported)
+    transform_passes = pass_manager.get_to_edge_transform_passes(
+        exported, compiler_specs=compiler_specs
+    )
+    partitioner = MutableBufferQnnPartitioner(
+        compiler_specs,
+        delegate_mutable_buffers=delegate_mutable_buffers,
+        top_level_buffers=[STARTED_BUFFER],
+    )
+    with stage("partition and compile for HTP"), QnnManagerContext({"forward": compiler_specs}):
+        edge = to_edge_transform_and_lower(
+            {"forward": exported},
+            transform_passes={"forward": transform_passes},
+            partitioner={"forward": [partitioner]},
+            compile_config=qnn_edge_config(),
+        )
+    top_level = mark_initialized_buffers(edge.exported_program())
+    with stage("serialize"):
+        program = edge.to_executorch(
+            ExecutorchBackendConfig(
+                memory_planning_pass=MemoryPlanningPass(
+                    alloc_graph_input=True, alloc_graph_output=True
+                ),
+                segment_alignment=get_qnn_context_binary_alignment(),
+            )
+        )
+    report = _report(edge.exported_program(), soc, fp16, delegate_mutable_buffers, mutable, top_level)
+    return program, report
+
+
+def _report(program, soc, fp16, delegate, mutable, top_level) -> LoweringReport:
+    on_htp = 0
+    cpu_ops = []
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if "executorch_call_delegate" in str(node.target):
+            lowered = getattr(program.graph_module, node.args[0].target)
+            on_htp += sum(
+                1 for n in lowered.original_module.graph.nodes if n.op == "call_function"
+            )
+        elif node.target.__name__ != "getitem":
+            cpu_ops.append(str(node.target))
+    model_buffers = [name for name in mutable if name != STARTED_BUFFER]
+    return LoweringReport(
+        soc=soc,
+        fp16=fp16,
+        delegate_mutable_buffers=delegate,
+        seconds=0.0,
+        nodes_on_htp=on_htp,
+        nodes_on_cpu=len(cpu_ops),
+        cpu_ops=sorted(set(cpu_ops)),
+        delegated_buffers=[n for n in model_buffers if n not in top_level],
+        top_level_buffers=[n for n in top_level if n != STARTED_BUFFER],
+    )

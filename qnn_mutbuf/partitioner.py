@@ -1,0 +1,50 @@
+"""QnnPartitioner that decides, buffer by buffer, what lives inside the delegate.
+
+Upstream delegates either every mutable buffer or none. We need finer control: with
+``delegate_mutable_buffers=True`` the model's buffers live in the delegate, while the
+one-byte "started" flag that tells the delegate to load the initial state stays at
+top level, where ExecuTorch initialises it from the program on every load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+from executorch.exir.backend.partitioner import PartitionResult
+
+from qnn_mutbuf.passes.quantized_state import keep_delegated_state_quantized
+
+DELEGATION_TAG = "delegation_tag"
+
+
+class MutableBufferQnnPartitioner(QnnPartitioner):
+    """Args as QnnPartitioner, plus which buffers go where.
+
+    Args:
+        delegate_mutable_buffers: keep mutable buffers inside the delegate.
+        top_level_buffers: buffer names that stay at top level regardless.
+    """
+
+    def __init__(
+        self,
+        compiler_specs,
+        *,
+        delegate_mutable_buffers: bool = True,
+        top_level_buffers: Iterable[str] = (),
+        **kwargs,
+    ) -> None:
+        super().__init__(compiler_specs, skip_mutable_buffer=not delegate_mutable_buffers, **kwargs)
+        self.top_level_buffers = set(top_level_buffers)
+
+    def partition(self, edge_program: torch.export.ExportedProgram) -> PartitionResult:
+        result = super().partition(edge_program)
+        inputs_to_buffers = edge_program.graph_signature.inputs_to_buffers
+        for node in edge_program.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            if inputs_to_buffers.get(node.name) in self.top_level_buffers:
+                node.meta.pop(DELEGATION_TAG, None)
+        self.quantized_state_buffers = keep_delegated_state_quantized(edge_program)
+        return result

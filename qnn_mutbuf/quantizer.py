@@ -1,0 +1,63 @@
+"""MutableBufferQnnQuantizer: ExecuTorch's QnnQuantizer, made right for mutable state.
+
+A drop-in for ``QnnQuantizer`` in ``prepare_pt2e``/``convert_pt2e``. On top of
+upstream it (1) functionalizes in-place updates of buffers before annotation, (2)
+registers our annotators for ``index_put``/``index_copy`` so the buffer input is never
+annotated, and (3) gives every floating-point mutable buffer one state encoding
+shared by its read, every stored value and its write-back. Because each buffer
+keeps a trailing ``copy_`` into it, ``convert_pt2e`` does not fold the buffer into a
+frozen constant, while weights are still folded.
+"""
+
+from __future__ import annotations
+
+from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer
+from executorch.backends.qualcomm.quantizer.rules import OpQuantRule
+from torch.fx import GraphModule
+
+from qnn_mutbuf.annotators import STATE_OP_ANNOTATORS
+from qnn_mutbuf.annotators.inplace import annotate_state_writes
+from qnn_mutbuf.annotators.state import (
+    finalize_state_specs,
+    plan_state_encodings,
+    share_reader_edges,
+)
+from qnn_mutbuf.passes.functionalize import functionalize_mutable_buffers
+from qnn_mutbuf.sdk.activation import activate_for_quantization
+
+
+class MutableBufferQnnQuantizer(QnnQuantizer):
+    """QnnQuantizer whose mutable buffers keep one encoding from step to step.
+
+    Takes exactly the arguments of ``QnnQuantizer`` and supports all of its setters
+    (``set_default_quant_config``, ``set_submodule_qconfig_list``, recipes...).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        activate_for_quantization()
+        super().__init__(*args, **kwargs)
+        # Upstream's rule table is a process-wide cache: replace entries in our copy.
+        self._rules_map = dict(self._rules_map)
+        for op, annotate_fn in STATE_OP_ANNOTATORS.items():
+            upstream = self._rules_map.get(op)
+            self._rules_map[op] = OpQuantRule(
+                aten_op=op,
+                qnn_op=upstream.qnn_op if upstream else None,
+                annotate_fn=annotate_fn,
+                validate_fn=upstream.validate_fn if upstream else None,
+            )
+            self.supported_ops.add(op)
+            self.quant_ops.add(op)
+        self.state_encodings: dict = {}
+
+    def transform_for_annotation(self, model: GraphModule) -> GraphModule:
+        model = functionalize_mutable_buffers(model)
+        return super().transform_for_annotation(model)
+
+    def annotate(self, model: GraphModule) -> GraphModule:
+        self.state_encodings = plan_state_encodings(model, self._get_quant_config)
+        super().annotate(model)
+        annotate_state_writes(model, self._get_quant_config)
+        share_reader_edges(model, self.state_encodings)
+        finalize_state_specs(model)
+        return model
