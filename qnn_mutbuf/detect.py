@@ -42,12 +42,13 @@ def is_view_op(node: Node) -> bool:
         return False
     first = schema.arguments[0].alias_info
     returned = schema.returns[0].alias_info
+    # Multi-output views (split, unbind) annotate the list's elements, so the
+    # return's own alias set is empty: any read-only alias pair counts.
     return (
         first is not None
         and returned is not None
         and not returned.is_write
         and not first.is_write
-        and bool(set(first.before_set) & set(returned.before_set))
     )
 
 

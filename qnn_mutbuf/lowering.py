@@ -350,9 +350,12 @@ def lower_graph_module(
 def _report(program, soc, fp16, delegate, mutable, top_level) -> LoweringReport:
     on_htp = 0
     cpu_ops = []
+    buffer_inputs = set(program.graph_signature.inputs_to_buffers)
     for node in program.graph.nodes:
         if node.op != "call_function":
             continue
+        if node.target == torch.ops.aten.copy_.default and node.args[0].name in buffer_inputs:
+            continue  # ExecuTorch's write-back of a top-level buffer, not model compute
         if "executorch_call_delegate" in str(node.target):
             lowered = getattr(program.graph_module, node.args[0].target)
             on_htp += sum(

@@ -6,7 +6,6 @@ CI logs and pipes stay quiet; QNN_MUTBUF_PROGRESS=1 forces the bar, =0 hides it.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Iterable, Iterator, Sized
 from contextlib import contextmanager
@@ -15,11 +14,18 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+def _stream():
+    from qnn_mutbuf.native_output import terminal
+
+    return terminal()
+
+
 def progress_enabled() -> bool:
     setting = os.environ.get("QNN_MUTBUF_PROGRESS")
     if setting is not None:
         return setting not in ("", "0", "false", "no")
-    return sys.stderr.isatty()
+    stream = _stream()
+    return bool(getattr(stream, "isatty", lambda: False)())
 
 
 def progress(items: Iterable[T], description: str) -> Iterator[T]:
@@ -42,13 +48,14 @@ def stage(description: str) -> Iterator[None]:
         yield
         return
     start = time.monotonic()
-    sys.stderr.write(f"{description} ...")
-    sys.stderr.flush()
+    stream = _stream()
+    stream.write(f"{description} ...")
+    stream.flush()
     try:
         yield
     finally:
-        sys.stderr.write(f" {time.monotonic() - start:.1f}s\n")
-        sys.stderr.flush()
+        stream.write(f" {time.monotonic() - start:.1f}s\n")
+        stream.flush()
 
 
 def _draw(description: str, done: int, total: int | None, start: float, final: bool = False) -> None:
@@ -60,5 +67,6 @@ def _draw(description: str, done: int, total: int | None, start: float, final: b
         text = f"\r{description} [{bar}] {done}/{total} {elapsed:.1f}s"
     else:
         text = f"\r{description} {done} {elapsed:.1f}s"
-    sys.stderr.write(text + ("\n" if final else ""))
-    sys.stderr.flush()
+    stream = _stream()
+    stream.write(text + ("\n" if final else ""))
+    stream.flush()

@@ -22,7 +22,7 @@ from qnn_mutbuf.annotators.state import (
     plan_state_encodings,
     share_reader_edges,
 )
-from qnn_mutbuf.passes.functionalize import functionalize_mutable_buffers
+from qnn_mutbuf.passes.functionalize import STATE_META_KEY, functionalize_mutable_buffers
 from qnn_mutbuf.sdk.activation import activate_for_quantization
 
 
@@ -49,6 +49,14 @@ class MutableBufferQnnQuantizer(QnnQuantizer):
             self.supported_ops.add(op)
             self.quant_ops.add(op)
         self.state_encodings: dict = {}
+
+    def _get_quant_config(self, node):
+        # The write-back copy_ is bookkeeping, not an op to quantize (and upstream
+        # prints a warning for every op it has no config for).
+        info = node.meta.get(STATE_META_KEY)
+        if info is not None and info.get("role") == "write_back":
+            return None
+        return super()._get_quant_config(node)
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         model = functionalize_mutable_buffers(model)

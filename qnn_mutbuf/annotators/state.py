@@ -55,6 +55,19 @@ class StateQuantizationSpec(QuantizationSpecBase):
 
     encoding: StateEncoding
 
+    # Read by upstream's range helpers before the markers are finalized.
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.encoding.qspec.dtype
+
+    @property
+    def quant_min(self) -> int | None:
+        return self.encoding.qspec.quant_min
+
+    @property
+    def quant_max(self) -> int | None:
+        return self.encoding.qspec.quant_max
+
 
 def is_float_value(node: object) -> bool:
     if not isinstance(node, Node):

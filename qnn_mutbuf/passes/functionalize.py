@@ -311,7 +311,10 @@ class FunctionalizeMutableBuffers(PassBase):
             return call(aten.transpose.int, (source, args[1], args[2]))
         if target == aten.t.default:
             return call(aten.t.default, (source,))
-        kind = "getitem of a multi-output view" if target is operator.getitem else str(target)
+        if target is operator.getitem and isinstance(args[0], Node):
+            kind = f"an output of the multi-output view {args[0].target}"
+        else:
+            kind = str(target)
         raise UnsupportedMutationError(
             f"Buffer '{buffer}' is written by {describe_node(node)} through the view "
             f"'{view.name}' ({kind}), which qnn_mutbuf cannot write back. Write the buffer "

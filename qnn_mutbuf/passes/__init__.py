@@ -1,0 +1,1 @@
+"""Graph rewrites: functionalize buffer updates, initial state, quantized delegated state."""
