@@ -250,6 +250,7 @@ def lower(
 
 def _as_graph_module(model: torch.nn.Module, inputs: tuple, fp16: bool) -> GraphModule:
     from qnn_mutbuf.passes.functionalize import functionalize_mutable_buffers
+    from qnn_mutbuf.passes.integer_arithmetic import decompose_integer_arithmetic
 
     quantized = isinstance(model, GraphModule) and any(
         node.op == "call_function" and "quantize_per" in str(node.target)
@@ -269,7 +270,7 @@ def _as_graph_module(model: torch.nn.Module, inputs: tuple, fp16: bool) -> Graph
         )
     if not isinstance(model, GraphModule):
         model = torch.export.export(model.eval(), inputs, strict=False).module()
-    return functionalize_mutable_buffers(model)
+    return decompose_integer_arithmetic(functionalize_mutable_buffers(model))
 
 
 def lower_graph_module(

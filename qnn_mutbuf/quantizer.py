@@ -23,6 +23,10 @@ from qnn_mutbuf.annotators.state import (
     share_reader_edges,
 )
 from qnn_mutbuf.passes.functionalize import STATE_META_KEY, functionalize_mutable_buffers
+from qnn_mutbuf.passes.integer_arithmetic import (
+    decompose_integer_arithmetic,
+    integer_arithmetic_nodes,
+)
 from qnn_mutbuf.sdk.activation import activate_for_quantization
 
 
@@ -60,11 +64,18 @@ class MutableBufferQnnQuantizer(QnnQuantizer):
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         model = functionalize_mutable_buffers(model)
+        model = decompose_integer_arithmetic(model)
         return super().transform_for_annotation(model)
 
     def annotate(self, model: GraphModule) -> GraphModule:
         self.state_encodings = plan_state_encodings(model, self._get_quant_config)
-        super().annotate(model)
+        # Position arithmetic computed in float must stay exact: never annotate it.
+        user_discards = set(self.discard_nodes)
+        self.discard_nodes = user_discards | set(integer_arithmetic_nodes(model))
+        try:
+            super().annotate(model)
+        finally:
+            self.discard_nodes = user_discards
         annotate_state_writes(model, self._get_quant_config)
         share_reader_edges(model, self.state_encodings)
         finalize_state_specs(model)

@@ -121,3 +121,85 @@ KV_CASES = {
     },
     "tensor_index": (TensorIndexCache, tensor_index_steps),
 }
+
+
+class RunningSum(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(1, 16))
+
+    def forward(self, x):
+        self.acc.add_(x)
+        return self.acc + 0
+
+
+class MovingAverage(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(1, 16))
+
+    def forward(self, x):
+        self.avg.mul_(0.9).add_(0.1 * x)
+        return self.avg + 0
+
+
+class CountedCache(torch.nn.Module):
+    """A position counter buffer indexes a KV cache: k.index_copy_(1, pos, x); pos.add_(1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, 16, 8))
+        self.register_buffer("pos", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, x):
+        self.k.index_copy_(1, self.pos, x)
+        self.pos.add_(1)
+        return self.k + 0
+
+
+class CoupledState(torch.nn.Module):
+    """Two buffers; the second update reads the first (already updated) one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("a", torch.zeros(1, 16))
+        self.register_buffer("b", torch.zeros(1, 16))
+
+    def forward(self, x):
+        self.a.add_(x)
+        self.b.mul_(0.5).add_(self.a)
+        return self.b + 0
+
+
+class RingBuffer(torch.nn.Module):
+    """A sliding window: write position pos % window."""
+
+    WINDOW = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ring", torch.zeros(1, self.WINDOW, 8))
+        self.register_buffer("pos", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, x):
+        self.ring.index_copy_(1, self.pos % self.WINDOW, x)
+        self.pos.add_(1)
+        return self.ring + 0
+
+
+def vector_steps(shape):
+    def make(count, seed):
+        generator = torch.Generator().manual_seed(seed)
+        return [(ranged(shape, generator),) for _ in range(count)]
+
+    return make
+
+
+INPLACE_CASES = {
+    # name: (model factory, steps factory, multiplies its own state every step)
+    "running_sum": (RunningSum, vector_steps((1, 16)), False),
+    "moving_average": (MovingAverage, vector_steps((1, 16)), True),
+    "counted_cache": (CountedCache, vector_steps((1, 1, 8)), False),
+    "coupled_state": (CoupledState, vector_steps((1, 16)), True),
+    "ring_buffer": (RingBuffer, vector_steps((1, 1, 8)), False),
+}

@@ -1,0 +1,98 @@
+"""Keeps integer position arithmetic (``pos % window``, ``pos // n``) integer-exact.
+
+Upstream decomposes ``remainder`` as ``x - floor(x / y) * y`` with a true division, so
+on an integer position the result turns float and ``index_copy_`` rejects it (or, once
+quantized, lands on the wrong slot). We decompose integer ``remainder`` and floor
+division ourselves through float32 (exact for positions below 2**24) and cast back to
+the original integer dtype. The float nodes are tagged so the quantizer leaves them
+unquantized: a position must never be rounded to an 8-bit grid.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+aten = torch.ops.aten
+INTEGER_META_KEY = "qnn_mutbuf_integer_arithmetic"
+
+_REMAINDER = {aten.remainder.Scalar, aten.remainder.Tensor}
+_FLOOR_DIVIDE = {aten.floor_divide.default, aten.floor_divide.Scalar}
+
+
+def _is_integer(node: object) -> bool:
+    value = node.meta.get("val") if isinstance(node, Node) else None
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool
+
+
+def _is_floor_division(node: Node) -> bool:
+    if node.target in _FLOOR_DIVIDE:
+        return True
+    return node.target == aten.div.Tensor_mode and node.kwargs.get("rounding_mode") == "floor"
+
+
+def _fake(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mode = getattr(like, "fake_mode", None)
+    if mode is None:
+        return torch.empty(like.shape, dtype=dtype, device="meta")
+    with mode:
+        return torch.empty(like.shape, dtype=dtype)
+
+
+class DecomposeIntegerArithmetic(PassBase):
+    """Rewrites integer remainder / floor division as exact float math plus a cast back."""
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        graph = graph_module.graph
+        changed = False
+        for node in list(graph.nodes):
+            if node.op != "call_function" or not _is_integer(node):
+                continue
+            remainder = node.target in _REMAINDER
+            if not remainder and not _is_floor_division(node):
+                continue
+            dtype = node.meta["val"].dtype
+            value = node.meta["val"]
+            created = []
+
+            def call(target, args, kwargs=None, out_dtype=torch.float32):
+                new = graph.call_function(target, args, kwargs or {})
+                for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node"):
+                    if key in node.meta:
+                        new.meta[key] = node.meta[key]
+                new.meta["val"] = _fake(value, out_dtype)
+                new.meta[INTEGER_META_KEY] = True
+                created.append(new)
+                return new
+
+            with graph.inserting_before(node):
+                x, y = node.args[0], node.args[1]
+                x_float = call(aten._to_copy.default, (x,), {"dtype": torch.float32})
+                y_float = (
+                    call(aten._to_copy.default, (y,), {"dtype": torch.float32})
+                    if isinstance(y, Node)
+                    else float(y)
+                )
+                quotient = call(aten.floor.default, (call(aten.div.Tensor, (x_float, y_float)),))
+                result = quotient
+                if remainder:
+                    product = call(aten.mul.Tensor, (quotient, y_float))
+                    result = call(aten.sub.Tensor, (x_float, product))
+                back = call(aten._to_copy.default, (result,), {"dtype": dtype}, out_dtype=dtype)
+            node.replace_all_uses_with(back)
+            graph.erase_node(node)
+            changed = True
+        if changed:
+            graph.lint()
+            graph_module.recompile()
+        return PassResult(graph_module, changed)
+
+
+def decompose_integer_arithmetic(graph_module: GraphModule) -> GraphModule:
+    return DecomposeIntegerArithmetic()(graph_module).graph_module
+
+
+def integer_arithmetic_nodes(graph_module: GraphModule) -> list[str]:
+    """Names of the float nodes that compute integer positions (never quantized)."""
+    return [n.name for n in graph_module.graph.nodes if n.meta.get(INTEGER_META_KEY)]
