@@ -305,7 +305,12 @@ def lower_graph_module(
         mark_initialized_buffers,
     )
 
-    graph_module = copy.deepcopy(graph_module)
+    # A new module over a copy of the graph: passes below edit the graph and add
+    # buffers, the caller's module (the fake-quant reference) stays as it was.
+    # Parameters are shared, not deep-copied (non-leaf tensors cannot be).
+    source = graph_module
+    graph_module = GraphModule(source, copy.deepcopy(source.graph))
+    graph_module.meta.update(source.meta)
     record = graph_module.meta.get(RECORD_KEY)
     mutable = find_mutable_buffers(graph_module)
     if delegate_mutable_buffers and mutable:
@@ -335,6 +340,8 @@ def lower_graph_module(
             compile_config=qnn_edge_config(),
         )
     top_level = mark_initialized_buffers(edge.exported_program())
+    # Before to_executorch, which rewrites the edge program in place (out variants).
+    report = _report(edge.exported_program(), soc, fp16, delegate_mutable_buffers, mutable, top_level)
     with stage("serialize"):
         program = edge.to_executorch(
             ExecutorchBackendConfig(
@@ -344,7 +351,6 @@ def lower_graph_module(
                 segment_alignment=get_qnn_context_binary_alignment(),
             )
         )
-    report = _report(edge.exported_program(), soc, fp16, delegate_mutable_buffers, mutable, top_level)
     return program, report
 
 

@@ -53,11 +53,17 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ProgramIO:
-    """Inputs and outputs of one method of a program."""
+    """Inputs and outputs of one method of a program, and the CPU kernels it calls
+    outside its delegates (``aten::copy_`` is ExecuTorch's buffer write-back)."""
 
     method: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    cpu_operators: tuple[str, ...] = ()
+
+    @property
+    def cpu_compute(self) -> tuple[str, ...]:
+        return tuple(op for op in self.cpu_operators if op != "aten::copy_")
 
 
 def load_pte_bytes(pte: str | os.PathLike | bytes | bytearray) -> bytes:
@@ -95,10 +101,14 @@ def read_program_io(pte: str | os.PathLike | bytes, method: str = "forward") -> 
             raise InputError(f"Value {index} of {method} has unsupported dtype {value.scalar_type}.")
         return TensorSpec(tuple(int(s) for s in value.sizes), dtype)
 
+    operators = tuple(
+        f"{op.name}.{op.overload}" if op.overload else op.name for op in plan.operators
+    )
     return ProgramIO(
         method=method,
         inputs=tuple(spec(i) for i in plan.inputs),
         outputs=tuple(spec(i) for i in plan.outputs),
+        cpu_operators=operators,
     )
 
 

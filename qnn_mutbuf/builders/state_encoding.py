@@ -6,13 +6,15 @@ value written back into it, because the delegate reads the same memory next step
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from executorch.backends.qualcomm.builders.node_visitor import dq_ops, q_ops
 from executorch.backends.qualcomm.builders.utils import is_mutable_buffer_input
 from executorch.backends.qualcomm.utils.constants import QCOM_QUANT_ATTRS
 from torch.export import ExportedProgram
 
-from qnn_mutbuf.errors import LoweringError
+logger = logging.getLogger(__name__)
 
 _ENCODING_FIELDS = ("scale", "zero_point", "quant_min", "quant_max", "dtype")
 
@@ -42,23 +44,23 @@ def give_state_encoding(
 ) -> None:
     """Gives `state` the quant attrs of `writer`'s output.
 
-    A state tensor that already carries a different encoding is an error: the
-    memory would be read in one encoding and written in another.
+    The buffer's memory holds what was written, so the written encoding is the one
+    to read it with. A buffer quantized without MutableBufferQnnQuantizer can carry a
+    different read encoding (calibrated separately, maybe not covering the initial
+    contents); it is replaced, as upstream does, with a warning naming both.
     """
     written = writer.meta.get(QCOM_QUANT_ATTRS)
     if written is None:
         return
     current = state.meta.get(QCOM_QUANT_ATTRS)
-    if current is None or same_encoding(current, written):
-        state.meta[QCOM_QUANT_ATTRS] = dict(written)
-        return
-    if is_state_tensor(state, edge_program):
-        raise LoweringError(
-            f"Node '{writer.name}' writes the mutable buffer read by '{state.name}' with "
-            f"scale {written.get('scale')} / zero point {written.get('zero_point')}, but the "
-            f"buffer is read with scale {current.get('scale')} / zero point "
-            f"{current.get('zero_point')}. Quantize with MutableBufferQnnQuantizer so both "
-            "share one state encoding."
+    if current is not None and not same_encoding(current, written) and is_state_tensor(
+        state, edge_program
+    ):
+        logger.warning(
+            "Mutable buffer read by '%s' (scale %s, zero point %s) is written by '%s' with "
+            "scale %s, zero point %s; reading it in the written encoding. Quantize with "
+            "MutableBufferQnnQuantizer to give both one encoding that covers the initial state.",
+            state.name, current.get("scale"), current.get("zero_point"),
+            writer.name, written.get("scale"), written.get("zero_point"),
         )
-    # Not a buffer: keep upstream's behaviour of taking the output encoding.
     state.meta[QCOM_QUANT_ATTRS] = dict(written)

@@ -11,6 +11,8 @@ tensors carry exactly the state encoding.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from executorch.backends.qualcomm.builders.node_visitor import dq_ops, q_ops
 from executorch.backends.qualcomm.utils.constants import (
@@ -20,7 +22,7 @@ from executorch.backends.qualcomm.utils.constants import (
 )
 from torch.export import ExportedProgram
 
-from qnn_mutbuf.errors import LoweringError
+logger = logging.getLogger(__name__)
 
 DELEGATION_TAG = "delegation_tag"
 
@@ -43,8 +45,9 @@ def _producer(node: torch.fx.Node) -> torch.fx.Node:
 def keep_delegated_state_quantized(edge_program: ExportedProgram) -> list[str]:
     """Tags delegated floating-point mutable buffers as quantized I/O.
 
-    Returns the names of the buffers tagged. Raises LoweringError when a buffer is
-    read and written with different encodings (its memory would be reinterpreted).
+    Returns the names of the buffers tagged. The buffer is read in the encoding it
+    is written with (its memory holds written values); a different read encoding is
+    replaced, with a warning.
     """
     signature = edge_program.graph_signature
     output = next(n for n in edge_program.graph.nodes if n.op == "output")
@@ -66,11 +69,11 @@ def keep_delegated_state_quantized(edge_program: ExportedProgram) -> list[str]:
             continue  # floating-point or integer state: nothing to keep quantized
         read_attrs = placeholder.meta.get(QCOM_QUANT_ATTRS)
         if read_attrs is not None and _attrs_key(read_attrs) != _attrs_key(write_attrs):
-            raise LoweringError(
-                f"Mutable buffer '{buffer}' is read with encoding {dict(_attrs_key(read_attrs))} "
-                f"but written with {dict(_attrs_key(write_attrs))} (node '{producer.name}'): the "
-                "same memory would be reinterpreted every step. Quantize with "
-                "MutableBufferQnnQuantizer, which gives both one state encoding."
+            logger.warning(
+                "Mutable buffer '%s' is read with %s but written with %s (node '%s'); it is "
+                "kept in the written encoding. MutableBufferQnnQuantizer gives both one "
+                "encoding that also covers the initial state.",
+                buffer, dict(_attrs_key(read_attrs)), dict(_attrs_key(write_attrs)), producer.name,
             )
         placeholder.meta[QCOM_QUANT_ATTRS] = dict(write_attrs)
         dtype = write_attrs[QCOM_DTYPE]

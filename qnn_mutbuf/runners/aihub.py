@@ -111,15 +111,23 @@ class HubTensor:
 
 
 def read_hub_io(context: ContextBinary) -> tuple[list[HubTensor], list[HubTensor]]:
-    """The context binary's graph I/O in QNN's order, with per-tensor encodings."""
+    """The context binary's graph I/O in the binary's own order (the order AI Hub
+    expects inputs in), with per-tensor encodings, read through QNN on the host."""
     import executorch.backends.qualcomm.python.PyQnnManagerAdaptor as adaptor
+    from executorch.backends.qualcomm.partition.utils import generate_qnn_executorch_option
 
+    from qnn_mutbuf.context_binary import build_settings
     from qnn_mutbuf.sdk import activate_host_sdk
+    from qnn_mutbuf.sdk.device import htp_compile_spec
 
     activate_host_sdk()
-    manager = adaptor.QnnManager(context.compile_spec, context.processed)
+    soc = build_settings(context.binary).get("soc_type", "SM8650")
+    specs = htp_compile_spec(soc, from_context_binary=True)
+    option = generate_qnn_executorch_option(specs)
+    wrapped = bytes(adaptor.QnnManager(option).MakeBinaryInfo(context.binary))
+    manager = adaptor.QnnManager(option, wrapped)
     try:
-        if manager.InitBackend() != adaptor.Error.Ok or manager.InitContextCache() != adaptor.Error.Ok:
+        if manager.Init() != adaptor.Error.Ok:
             raise AiHubError("QNN could not open the program's context binary on this host.")
         graph = manager.GetGraphNames()[0]
         manager.AllocateTensor(graph)
@@ -180,6 +188,13 @@ class AiHubRunner:
     ) -> None:
         self._data = load_pte_bytes(pte)
         self.io = read_program_io(self._data)
+        if self.io.cpu_compute:
+            raise AiHubError(
+                "Part of the program runs on the CPU ("
+                + ", ".join(self.io.cpu_compute)
+                + "), which AI Hub cannot run: it runs only the QNN context binary. "
+                "Use `run host` or `run adb`, or keep every op on the HTP."
+            )
         contexts = extract_context_binaries(self._data)
         if len(contexts) != 1:
             raise AiHubError(
@@ -207,9 +222,11 @@ class AiHubRunner:
         )
         if len(user_inputs) != len(self.io.inputs):
             raise AiHubError(
-                f"The context binary takes {len(user_inputs)} inputs besides its state, the "
-                f"program {len(self.io.inputs)}: part of the program runs on the CPU, which "
-                "AI Hub cannot run. Run it with `run host` or `run adb`."
+                f"The context binary takes {len(user_inputs)} inputs besides its delegated "
+                f"state, the program {len(self.io.inputs)}: part of the program runs on the CPU "
+                "or its mutable buffers were kept at top level. AI Hub runs only the context "
+                "binary: lower with delegate_mutable_buffers=True (no --no-delegate-buffers) "
+                "and every op on the HTP, or use `run host` / `run adb`."
             )
         self.user_inputs = user_inputs
         state_inputs = {t.mutbuf: t for t in self.inputs if t.mutbuf is not None}
@@ -225,8 +242,10 @@ class AiHubRunner:
                 rest.remove(flags[-1])
         if len(rest) != len(self.io.outputs):
             raise AiHubError(
-                f"The context binary returns {len(rest)} outputs, the program "
-                f"{len(self.io.outputs)}: part of the program runs on the CPU."
+                f"The context binary returns {len(rest)} outputs besides its delegated state, "
+                f"the program {len(self.io.outputs)}: part of the program runs on the CPU or "
+                "its mutable buffers were kept at top level; lower with "
+                "delegate_mutable_buffers=True for AI Hub."
             )
         self.user_outputs = rest
 

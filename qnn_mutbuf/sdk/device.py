@@ -11,7 +11,7 @@ from qnn_mutbuf.errors import SdkNotFoundError
 from qnn_mutbuf.sdk.activation import activate_host_sdk
 
 
-def htp_compile_spec(soc: str = "SM8650", fp16: bool = False) -> list:
+def htp_compile_spec(soc: str = "SM8650", fp16: bool = False, from_context_binary: bool = False) -> list:
     """ExecuTorch compile specs for the HTP of `soc`."""
     from executorch.backends.qualcomm.utils.utils import (
         generate_htp_compiler_spec,
@@ -21,7 +21,9 @@ def htp_compile_spec(soc: str = "SM8650", fp16: bool = False) -> list:
     from qnn_mutbuf.soc import resolve_soc
 
     return generate_qnn_executorch_compiler_spec(
-        soc_model=resolve_soc(soc), backend_options=generate_htp_compiler_spec(use_fp16=fp16)
+        soc_model=resolve_soc(soc),
+        backend_options=generate_htp_compiler_spec(use_fp16=fp16),
+        is_from_context_binary=from_context_binary,
     )
 
 
