@@ -40,6 +40,8 @@ def is_view_op(node: Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.returns or not schema.arguments:
         return False
+    if is_conditional_alias(node):
+        return _same_dtype_and_shape(node.args[0], node)
     first = schema.arguments[0].alias_info
     returned = schema.returns[0].alias_info
     # Multi-output views (split, unbind) annotate the list's elements, so the
@@ -49,6 +51,26 @@ def is_view_op(node: Node) -> bool:
         and returned is not None
         and not returned.is_write
         and not first.is_write
+    )
+
+
+_CONDITIONAL_ALIASES = ("to", "type_as", "contiguous", "detach")
+
+
+def is_conditional_alias(node: Node) -> bool:
+    """``x.to(dtype)`` and friends alias `x` only when they convert nothing."""
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet is not None and packet.__name__ in _CONDITIONAL_ALIASES
+
+
+def _same_dtype_and_shape(source: object, node: Node) -> bool:
+    before = source.meta.get("val") if isinstance(source, Node) else None
+    after = node.meta.get("val")
+    return (
+        isinstance(before, torch.Tensor)
+        and isinstance(after, torch.Tensor)
+        and before.dtype == after.dtype
+        and tuple(before.shape) == tuple(after.shape)
     )
 
 

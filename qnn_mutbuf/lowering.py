@@ -18,7 +18,7 @@ import torch
 from torch.fx import GraphModule
 
 from qnn_mutbuf.detect import find_mutable_buffers
-from qnn_mutbuf.errors import InputError, LoweringError
+from qnn_mutbuf.errors import InputError, LoweringError, UnsupportedMutationError
 from qnn_mutbuf.passes.initial_state import STARTED_BUFFER
 from qnn_mutbuf.progress import progress, stage
 
@@ -135,8 +135,7 @@ def quantize(
         name: value.detach().clone() for name, value in module.named_buffers()
     }
     with stage("export"):
-        exported = torch.export.export(module, steps[0], strict=False)
-        graph_module = exported.module()
+        graph_module = export_for_quantization(module, steps[0])
     with stage("prepare"):
         prepared = prepare_pt2e(graph_module, quantizer)
     mutable = sorted(find_mutable_buffers(prepared))
@@ -166,6 +165,49 @@ def quantize(
     )
     converted.meta[RECORD_KEY] = record
     return converted
+
+
+def export_for_quantization(module: torch.nn.Module, inputs: tuple) -> GraphModule:
+    """``torch.export`` (strict, as ExecuTorch's QNN flow does), else non-strict.
+
+    Non-strict export can lose the identity of buffers a module reaches through
+    other objects (transformers' StaticCache layers): their updates then land on
+    lifted constants that would silently freeze. That case is refused.
+    """
+    try:
+        graph_module = torch.export.export(module, inputs, strict=True).module()
+    except Exception as error:  # dynamo cannot trace it: non-strict is the fallback
+        logger.info("strict export failed (%s); exporting non-strict", str(error).splitlines()[0])
+        graph_module = torch.export.export(module, inputs, strict=False).module()
+    frozen = frozen_state_writes(graph_module)
+    if frozen:
+        raise UnsupportedMutationError(
+            "torch.export turned state that the model updates in place into constants: "
+            + ", ".join(f"'{target}' (written by '{node}')" for target, node in frozen)
+            + ". Register that state with register_buffer on a module the forward reaches "
+            "directly, so export can track it."
+        )
+    return graph_module
+
+
+def frozen_state_writes(graph_module: GraphModule) -> list[tuple[str, str]]:
+    """In-place writes whose destination is a constant, not a registered buffer."""
+    from qnn_mutbuf.detect import written_argument_index
+
+    buffers = {name for name, _ in graph_module.named_buffers()}
+    found = []
+    for node in graph_module.graph.nodes:
+        index = written_argument_index(node)
+        if index is None or index >= len(node.args):
+            continue
+        destination = node.args[index]
+        if (
+            isinstance(destination, torch.fx.Node)
+            and destination.op == "get_attr"
+            and str(destination.target) not in buffers
+        ):
+            found.append((str(destination.target), node.name))
+    return found
 
 
 def check_buffers_kept(converted: GraphModule, mutable: Sequence[str]) -> None:
@@ -269,7 +311,7 @@ def _as_graph_module(model: torch.nn.Module, inputs: tuple, fp16: bool) -> Graph
             "or pass fp16=True to run it in floating point on the HTP."
         )
     if not isinstance(model, GraphModule):
-        model = torch.export.export(model.eval(), inputs, strict=False).module()
+        model = export_for_quantization(model.eval(), inputs)
     return decompose_integer_arithmetic(functionalize_mutable_buffers(model))
 
 
@@ -304,6 +346,7 @@ def lower_graph_module(
         InsertInitialStateSelect,
         mark_initialized_buffers,
     )
+    from qnn_mutbuf.passes.scalar_state import PromoteScalarBuffers
 
     # A new module over a copy of the graph: passes below edit the graph and add
     # buffers, the caller's module (the fake-quant reference) stays as it was.
@@ -312,9 +355,12 @@ def lower_graph_module(
     graph_module = GraphModule(source, copy.deepcopy(source.graph))
     graph_module.meta.update(source.meta)
     record = graph_module.meta.get(RECORD_KEY)
+    PromoteScalarBuffers()(graph_module)
     mutable = find_mutable_buffers(graph_module)
     if delegate_mutable_buffers and mutable:
-        initial = record.initial_state if record is not None else None
+        initial = dict(record.initial_state) if record is not None else {}
+        for name in initial:
+            initial[name] = initial[name].reshape(graph_module.get_buffer(name).shape)
         graph_module = InsertInitialStateSelect(initial)(graph_module).graph_module
 
     compiler_specs = generate_qnn_executorch_compiler_spec(

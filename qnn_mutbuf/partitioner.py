@@ -41,10 +41,17 @@ class MutableBufferQnnPartitioner(QnnPartitioner):
     def partition(self, edge_program: torch.export.ExportedProgram) -> PartitionResult:
         result = super().partition(edge_program)
         inputs_to_buffers = edge_program.graph_signature.inputs_to_buffers
+        mutated = set(edge_program.graph_signature.buffers_to_mutate.values())
         for node in edge_program.graph.nodes:
             if node.op != "placeholder":
                 continue
-            if inputs_to_buffers.get(node.name) in self.top_level_buffers:
+            buffer = inputs_to_buffers.get(node.name)
+            if buffer in self.top_level_buffers:
+                node.meta.pop(DELEGATION_TAG, None)
+            elif buffer in mutated and not node.users:
+                # Written but never read (StaticCache's cumulative_length is overwritten
+                # first thing): the QNN graph has no input for it, so the delegate would
+                # have no memory to write it to. It stays at top level.
                 node.meta.pop(DELEGATION_TAG, None)
         self.quantized_state_buffers = keep_delegated_state_quantized(edge_program)
         return result

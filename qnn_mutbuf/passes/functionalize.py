@@ -23,7 +23,13 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.utils import _pytree as pytree
 
-from qnn_mutbuf.detect import buffer_nodes, find_mutable_buffers, is_view_op, written_argument_index
+from qnn_mutbuf.detect import (
+    buffer_nodes,
+    find_mutable_buffers,
+    is_conditional_alias,
+    is_view_op,
+    written_argument_index,
+)
 from qnn_mutbuf.errors import UnsupportedMutationError
 
 aten = torch.ops.aten
@@ -301,6 +307,8 @@ class FunctionalizeMutableBuffers(PassBase):
             return call(aten.diagonal_scatter.default, (base, source, *args[1:]))
         if target == aten.as_strided.default:
             return call(aten.as_strided_scatter.default, (base, source, *args[1:]))
+        if is_conditional_alias(view):
+            return source  # a conversion that converted nothing is the tensor itself
         if target in _RESHAPE_VIEWS:
             return call(aten.view.default, (source, list(base_val.shape)))
         if target == aten.permute.default:

@@ -75,6 +75,7 @@ class InsertInitialStateSelect(PassBase):
         for node in (not_started, now_started, write_back):
             node.meta["val"] = started.meta["val"]
         write_back.meta[STATE_META_KEY] = {"buffer": STARTED_BUFFER, "role": "write_back"}
+        graph.eliminate_dead_code()  # the buffers' own q/dq, now bypassed
         graph.lint()
         graph_module.recompile()
         return PassResult(graph_module, True)
@@ -91,6 +92,8 @@ class InsertInitialStateSelect(PassBase):
         graph = graph_module.graph
         Q_PER_TENSOR, DQ_PER_TENSOR = _qdq_ops()
         readers = [user for user in read.users if user is not write_back]
+        if not readers:
+            return  # overwritten before it is ever read: its initial value never matters
         encoding = _read_encoding(read)
         constant_name = INITIAL_PREFIX + name.replace(".", "_")
         uniform = initial.numel() > 0 and bool((initial == initial.flatten()[0]).all())
@@ -130,7 +133,6 @@ class InsertInitialStateSelect(PassBase):
                     dq_user.replace_all_uses_with(replacement)
                 continue
             user.replace_input_with(read, replacement)
-        graph.eliminate_dead_code()
 
 
 def _read_encoding(read: Node) -> tuple | None:
