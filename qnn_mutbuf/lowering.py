@@ -71,19 +71,22 @@ def default_quantizer(quant: str = "8a8w", soc: str = "SM8650"):
     """MutableBufferQnnQuantizer with per-channel weights and min-max activations.
 
     Calibration for decoders is a few steps; a moving-average observer under-ranges
-    activations and state seen over so few samples, a min-max observer does not.
+    activations and state seen over so few samples, a min-max observer does not. With
+    16-bit activations the range also gets headroom (see observers.py).
     """
     from torchao.quantization.pt2e import MinMaxObserver
 
+    from qnn_mutbuf.observers import HeadroomMinMaxObserver
     from qnn_mutbuf.quantizer import MutableBufferQnnQuantizer
     from qnn_mutbuf.soc import resolve_soc
 
     quantizer = MutableBufferQnnQuantizer(soc_model=resolve_soc(soc))
+    sixteen_bit = quant.startswith("16a")
     quantizer.set_default_quant_config(
         quant_dtype(quant),
         is_conv_per_channel=True,
         is_linear_per_channel=True,
-        act_observer=MinMaxObserver,
+        act_observer=HeadroomMinMaxObserver if sixteen_bit else MinMaxObserver,
     )
     return quantizer
 

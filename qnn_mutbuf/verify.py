@@ -176,3 +176,63 @@ def format_table(tables: Sequence[ComparisonTable], output: int = 0) -> str:
             line += f" | {row.max_abs_error:>9.3g}{units:<12}     | {row.sqnr_db:7.1f}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def top1_agreement(reference: torch.Tensor, actual: torch.Tensor) -> float:
+    """Fraction of positions where the arg-max token (last dim) is the same."""
+    return float((reference.argmax(-1) == actual.argmax(-1)).double().mean())
+
+
+@dataclass
+class DecodeRow:
+    """One decode step of a language model, against fp32 and fake-quant."""
+
+    step: int
+    sqnr_fp32_db: float
+    sqnr_fake_quant_db: float
+    top1_fp32: float
+    top1_fake_quant: float
+
+
+def decode_table(
+    fp32: Sequence[Sequence[torch.Tensor]],
+    fake_quant: Sequence[Sequence[torch.Tensor]] | None,
+    device: Sequence[Sequence[torch.Tensor]],
+    logits_output: int = 0,
+) -> list[DecodeRow]:
+    """Logits SQNR and top-1 agreement per step (fake-quant columns NaN if absent)."""
+    rows = []
+    for step, actual in enumerate(device):
+        logits = actual[logits_output]
+        reference = fp32[step][logits_output]
+        fq = fake_quant[step][logits_output] if fake_quant is not None else None
+        rows.append(
+            DecodeRow(
+                step=step,
+                sqnr_fp32_db=sqnr_db(reference, logits),
+                sqnr_fake_quant_db=sqnr_db(fq, logits) if fq is not None else math.nan,
+                top1_fp32=top1_agreement(reference, logits),
+                top1_fake_quant=top1_agreement(fq, logits) if fq is not None else math.nan,
+            )
+        )
+    return rows
+
+
+def format_decode_table(rows: Sequence[DecodeRow]) -> str:
+    lines = [
+        "step | logits SQNR vs fp32 dB | vs fake-quant dB | top-1 = fp32 | top-1 = fake-quant",
+        "-----|------------------------|------------------|--------------|-------------------",
+    ]
+    for row in rows:
+        lines.append(
+            f"{row.step:>4} | {row.sqnr_fp32_db:22.1f} | {row.sqnr_fake_quant_db:16.1f} | "
+            f"{row.top1_fp32:12.2f} | {row.top1_fake_quant:18.2f}"
+        )
+    if rows:
+        lines.append(
+            f"min  | {min(r.sqnr_fp32_db for r in rows):22.1f} | "
+            f"{min(r.sqnr_fake_quant_db for r in rows):16.1f} | "
+            f"{sum(r.top1_fp32 for r in rows) / len(rows):12.2f} | "
+            f"{sum(r.top1_fake_quant for r in rows) / len(rows):18.2f}"
+        )
+    return "\n".join(lines)

@@ -26,6 +26,7 @@ from torchao.quantization.pt2e.quantizer import (
 )
 from torchao.quantization.pt2e.quantizer.quantizer import Q_ANNOTATION_KEY
 
+from qnn_mutbuf.observers import HeadroomMinMaxObserver, is_16bit
 from qnn_mutbuf.passes.functionalize import STATE_META_KEY
 
 ENCODING_KEY = "encoding"
@@ -92,6 +93,10 @@ def state_qspec(activation: QuantizationSpec) -> QuantizationSpec:
     partial = getattr(constructor, "p", None)
     if partial is not None and "eps" in partial.keywords:
         keywords["eps"] = partial.keywords["eps"]
+    observer = MinMaxObserver
+    if is_16bit(activation.dtype, activation.quant_min, activation.quant_max):
+        # Clipped state is wrong at every later step; 16 bits leave room for headroom.
+        observer = HeadroomMinMaxObserver
     return QuantizationSpec(
         dtype=activation.dtype,
         quant_min=activation.quant_min,
@@ -99,7 +104,7 @@ def state_qspec(activation: QuantizationSpec) -> QuantizationSpec:
         qscheme=activation.qscheme,
         ch_axis=activation.ch_axis,
         is_dynamic=False,
-        observer_or_fake_quant_ctr=MinMaxObserver.with_args(**keywords),
+        observer_or_fake_quant_ctr=observer.with_args(**keywords),
     )
 
 

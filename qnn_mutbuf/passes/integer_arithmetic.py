@@ -41,13 +41,22 @@ def _fake(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class DecomposeIntegerArithmetic(PassBase):
-    """Rewrites integer remainder / floor division as exact float math plus a cast back."""
+    """Rewrites integer remainder / floor division as exact float math plus a cast
+    back, and integer negation (no HTP kernel) as a multiplication by -1."""
 
     def call(self, graph_module: GraphModule) -> PassResult:
         graph = graph_module.graph
         changed = False
         for node in list(graph.nodes):
             if node.op != "call_function" or not _is_integer(node):
+                continue
+            if node.target == aten.neg.default:
+                with graph.inserting_before(node):
+                    negated = graph.call_function(aten.mul.Tensor, (node.args[0], -1))
+                negated.meta.update(node.meta)
+                node.replace_all_uses_with(negated)
+                graph.erase_node(node)
+                changed = True
                 continue
             remainder = node.target in _REMAINDER
             if not remainder and not _is_floor_division(node):
@@ -93,6 +102,70 @@ def decompose_integer_arithmetic(graph_module: GraphModule) -> GraphModule:
     return DecomposeIntegerArithmetic()(graph_module).graph_module
 
 
+def _is_float(node: object) -> bool:
+    value = node.meta.get("val") if isinstance(node, Node) else None
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _integer_derived_float_nodes(graph_module: GraphModule) -> set[Node]:
+    """Float nodes computed only from integers and constants, whose result is cast
+    back to an integer: index arithmetic such as T5's relative position buckets
+    (``log`` of a distance, scaled, truncated to a bucket id)."""
+    derived: dict[Node, bool] = {}
+
+    def integer_only(node: Node) -> bool:
+        if node in derived:
+            return derived[node]
+        derived[node] = False  # cycles cannot happen in a DAG; guard anyway
+        if not _is_float(node):
+            result = node.op != "placeholder" or not _is_float(node)
+        elif node.op in ("placeholder",):
+            result = False
+        elif node.op == "get_attr":
+            result = True
+        elif node.op == "call_function":
+            inputs = [a for a in node.all_input_nodes]
+            result = all(integer_only(a) for a in inputs) and any(
+                not _is_float(a) or a.meta.get(INTEGER_META_KEY) for a in _leaves(node)
+            )
+        else:
+            result = False
+        derived[node] = result
+        return result
+
+    def _leaves(node: Node):
+        stack, seen, leaves = [node], set(), []
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            if not _is_float(current) or current.op != "call_function":
+                leaves.append(current)
+            else:
+                stack.extend(current.all_input_nodes)
+        return leaves
+
+    found: set[Node] = set()
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or _is_float(node):
+            continue
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        for source in node.all_input_nodes:
+            if _is_float(source) and integer_only(source):
+                found.add(node)  # the cast back to an integer must not observe either
+                stack = [source]
+                while stack:
+                    current = stack.pop()
+                    if current in found or not _is_float(current) or current.op != "call_function":
+                        continue
+                    found.add(current)
+                    stack.extend(current.all_input_nodes)
+    return found
+
+
 def integer_arithmetic_nodes(graph_module: GraphModule) -> list[str]:
     """Names of the float nodes that compute integer positions (never quantized)."""
-    return [n.name for n in graph_module.graph.nodes if n.meta.get(INTEGER_META_KEY)]
+    tagged = {n for n in graph_module.graph.nodes if n.meta.get(INTEGER_META_KEY)}
+    return [n.name for n in tagged | _integer_derived_float_nodes(graph_module)]

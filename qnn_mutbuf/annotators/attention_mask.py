@@ -1,0 +1,71 @@
+"""Annotation of the bounded attention-mask select (see passes/attention_mask.py).
+
+The scores, the masked constant and the select's output share one
+:class:`MaskedScoresObserver`, which ranges over the real scores and puts the masked
+value just below them (the HTP's Select needs one encoding on all of them).
+"""
+
+from __future__ import annotations
+
+from torch.fx import GraphModule
+from torchao.quantization.pt2e.quantizer import (
+    QuantizationAnnotation,
+    QuantizationSpec,
+    SharedQuantizationSpec,
+)
+from torchao.quantization.pt2e.quantizer.quantizer import Q_ANNOTATION_KEY
+
+from qnn_mutbuf.annotators.state import is_float_value
+from qnn_mutbuf.passes.attention_mask import MASKED_META_KEY, MaskedScoresObserver
+
+
+def annotate_masked_scores(graph_module: GraphModule, quantization_config_for) -> None:
+    for node in graph_module.graph.nodes:
+        if not node.meta.get(MASKED_META_KEY):
+            continue
+        config = quantization_config_for(node)
+        activation = getattr(config, "output_activation", None)
+        if activation is None:
+            continue
+        keywords = {}
+        partial = getattr(activation.observer_or_fake_quant_ctr, "p", None)
+        if partial is not None and "eps" in partial.keywords:
+            keywords["eps"] = partial.keywords["eps"]
+        masked_spec = QuantizationSpec(
+            dtype=activation.dtype,
+            quant_min=activation.quant_min,
+            quant_max=activation.quant_max,
+            qscheme=activation.qscheme,
+            is_dynamic=False,
+            observer_or_fake_quant_ctr=MaskedScoresObserver.with_args(**keywords),
+        )
+        _, on_true, on_false = node.args
+        constant = next((v for v in (on_true, on_false) if is_float_value(v) and _is_mask_constant(v)), None)
+        scores = next((v for v in (on_true, on_false) if is_float_value(v) and v is not constant), None)
+        if constant is None or scores is None:
+            continue
+        # The HTP's Select does not requantize its inputs: scores, masked value and
+        # result all take the masked-scores encoding.
+        inputs = {constant: masked_spec, scores: SharedQuantizationSpec((constant, node))}
+        # No implicit sharing: the masked constant's own output encoding (from the
+        # upstream constant rule) must not replace the masked-scores observer.
+        node.meta[Q_ANNOTATION_KEY] = QuantizationAnnotation(
+            input_qspec_map=inputs,
+            output_qspec=SharedQuantizationSpec((constant, node)),
+            allow_implicit_sharing=False,
+            _annotated=True,
+        )
+
+
+def _is_mask_constant(node) -> bool:
+    import torch
+
+    from qnn_mutbuf.passes.attention_mask import MASK_THRESHOLD
+
+    if node.op == "call_function" and node.target == torch.ops.aten.scalar_tensor.default:
+        return float(node.args[0]) <= MASK_THRESHOLD
+    if node.op == "get_attr":
+        owner = node.graph.owning_module
+        value = getattr(owner, str(node.target), None)
+        return isinstance(value, torch.Tensor) and bool((value <= MASK_THRESHOLD).all())
+    return False
