@@ -44,7 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", required=True, type=Path, help="the .pte to write")
     _add_lowering_options(export)
     export.add_argument(
-        "--calibration-steps", type=int, default=None, metavar="N",
+        "--calibration-steps",
+        type=int,
+        default=None,
+        metavar="N",
         help="use only the first N calibration steps of the factory",
     )
 
@@ -56,21 +59,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("target", choices=("host", "adb", "aihub"), help="where to run")
     run.add_argument("pte", type=Path, help="the program to run")
-    run.add_argument("--inputs", type=Path, required=True,
-                     help="torch.save'd list of per-step input tuples")
+    run.add_argument(
+        "--inputs", type=Path, required=True, help="torch.save'd list of per-step input tuples"
+    )
     run.add_argument("--steps", type=int, default=None, metavar="N", help="run the first N steps")
-    run.add_argument("--reference", metavar="MODEL",
-                     help="MODEL spec to build the fp32 and fake-quant references from")
+    run.add_argument(
+        "--reference",
+        metavar="MODEL",
+        help="MODEL spec to build the fp32 and fake-quant references from",
+    )
     run.add_argument("--report", type=Path, help="write the per-step results as JSON")
     run.add_argument("--plot", type=Path, help="write the per-step SQNR curve (needs matplotlib)")
     adb = run.add_argument_group("adb")
     adb.add_argument("-s", "--serial", help="device serial (adb -s)")
     adb.add_argument("-H", "--host", help="adb server host (adb -H)")
-    adb.add_argument("--build-folder", type=Path,
-                     help="ExecuTorch Android build holding qnn_executor_runner")
+    adb.add_argument(
+        "--build-folder", type=Path, help="ExecuTorch Android build holding qnn_executor_runner"
+    )
     hub = run.add_argument_group("aihub")
-    hub.add_argument("--device", default=None, help='AI Hub device (default: "Samsung Galaxy S24 (Family)")')
-    hub.add_argument("--chipset", default=None, help="AI Hub chipset attribute, e.g. qualcomm-snapdragon-8gen3")
+    hub.add_argument(
+        "--device", default=None, help='AI Hub device (default: "Samsung Galaxy S24 (Family)")'
+    )
+    hub.add_argument(
+        "--chipset", default=None, help="AI Hub chipset attribute, e.g. qualcomm-snapdragon-8gen3"
+    )
 
     demo = commands.add_parser(
         "demo",
@@ -80,18 +92,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--steps", type=int, default=8, help="decode steps to run (default 8)")
     demo.add_argument("--quant", choices=QUANT_CHOICES[:-1], default="8a8w")
-    demo.add_argument("--no-delegate-buffers", action="store_true",
-                      help="keep the cache at top level instead of inside the delegate")
+    demo.add_argument(
+        "--no-delegate-buffers",
+        action="store_true",
+        help="keep the cache at top level instead of inside the delegate",
+    )
     demo.add_argument("--small", action="store_true", help="use a (1, 64, 2, 8) cache")
     return parser
 
 
 def _add_lowering_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soc", default=DEFAULT_SOC, help="target SoC (default: SM8650)")
-    parser.add_argument("--quant", choices=QUANT_CHOICES, default="8a8w",
-                        help="quantization scheme, or fp16 (default: 8a8w)")
-    parser.add_argument("--no-delegate-buffers", action="store_true",
-                        help="keep mutable buffers at top level instead of inside the delegate")
+    parser.add_argument(
+        "--quant",
+        choices=QUANT_CHOICES,
+        default="8a8w",
+        help="quantization scheme, or fp16 (default: 8a8w)",
+    )
+    parser.add_argument(
+        "--no-delegate-buffers",
+        action="store_true",
+        help="keep mutable buffers at top level instead of inside the delegate",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

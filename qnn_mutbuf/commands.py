@@ -37,13 +37,20 @@ def doctor(args: argparse.Namespace) -> int:
         with captured_native_output(args.capture_native):
             info = activate_host_sdk()
             check_htp_device(args.soc)
-        print(f"QAIRT          {info.qairt_version_text} ({info.qairt_build_id}), "
-              f"HTP API {info.htp_api_version}, core API {info.core_api_version}")
+        print(
+            f"QAIRT          {info.qairt_version_text} ({info.qairt_build_id}), "
+            f"HTP API {info.htp_api_version}, core API {info.core_api_version}"
+        )
         print(f"host libraries {info.library_dir}")
         print(f"  from         {info.source_dir} ({info.source})")
-        print("  forwarder    " + (
-            "in use (QAIRT >= 2.47 reads HTP device configs at byte 8)"
-            if info.forwarder else "not needed for this QAIRT version"))
+        print(
+            "  forwarder    "
+            + (
+                "in use (QAIRT >= 2.47 reads HTP device configs at byte 8)"
+                if info.forwarder
+                else "not needed for this QAIRT version"
+            )
+        )
         print(f"HTP device     created for {args.soc} on the host simulator")
     except SdkNotFoundError as error:
         healthy = False
@@ -54,7 +61,9 @@ def doctor(args: argparse.Namespace) -> int:
     else:
         try:
             devices = list_adb_devices(adb)
-            listed = ", ".join(f"{serial} ({state})" for serial, state in devices) or "none attached"
+            listed = (
+                ", ".join(f"{serial} ({state})" for serial, state in devices) or "none attached"
+            )
         except Exception as error:  # doctor reports, it does not fail on adb
             listed = f"could not list devices: {error}"
         print(f"adb            {adb}; devices: {listed}")
@@ -73,22 +82,32 @@ def export(args: argparse.Namespace) -> int:
     delegate = not args.no_delegate_buffers
     with captured_native_output(args.capture_native):
         if args.quant == "fp16":
-            program = lower(loaded.module, loaded.example_inputs, soc=args.soc,
-                            delegate_mutable_buffers=delegate, fp16=True)
+            program = lower(
+                loaded.module,
+                loaded.example_inputs,
+                soc=args.soc,
+                delegate_mutable_buffers=delegate,
+                fp16=True,
+            )
             record = None
         else:
             quantized = quantize(loaded.module, loaded.calibration, quant=args.quant)
-            program = lower(quantized, loaded.example_inputs, soc=args.soc,
-                            delegate_mutable_buffers=delegate)
+            program = lower(
+                quantized, loaded.example_inputs, soc=args.soc, delegate_mutable_buffers=delegate
+            )
             record = quantized.meta["qnn_mutbuf"]
     report = program.qnn_mutbuf_report
     write_atomically(args.output, program.buffer)
     buffers = {}
-    shapes = record.mutable_buffers if record else {
-        name: (list(value.shape), str(value.dtype).removeprefix("torch."))
-        for name, value in loaded.module.named_buffers()
-        if name in set(report.delegated_buffers) | set(report.top_level_buffers)
-    }
+    shapes = (
+        record.mutable_buffers
+        if record
+        else {
+            name: (list(value.shape), str(value.dtype).removeprefix("torch."))
+            for name, value in loaded.module.named_buffers()
+            if name in set(report.delegated_buffers) | set(report.top_level_buffers)
+        }
+    )
     for name, (shape, dtype) in shapes.items():
         encoding = record.state_encodings.get(name) if record else None
         buffers[name] = {
@@ -115,12 +134,16 @@ def export(args: argparse.Namespace) -> int:
     }
     json_path = write_sidecar(args.output, sidecar)
     print(f"wrote {args.output} ({len(program.buffer)} bytes) and {json_path}")
-    print(f"lowered for {report.soc} at {args.quant} in {report.seconds:.1f}s: "
-          f"{report.nodes_on_htp} nodes on HTP, {report.nodes_on_cpu} on CPU "
-          f"({', '.join(report.cpu_ops) or 'none'})")
+    print(
+        f"lowered for {report.soc} at {args.quant} in {report.seconds:.1f}s: "
+        f"{report.nodes_on_htp} nodes on HTP, {report.nodes_on_cpu} on CPU "
+        f"({', '.join(report.cpu_ops) or 'none'})"
+    )
     for name, entry in buffers.items():
-        print(f"  buffer {name} {entry['dtype']}{entry['shape']} in {entry['location']}"
-              + (f", scale {entry['encoding']['scale']:.3g}" if entry["encoding"] else ""))
+        print(
+            f"  buffer {name} {entry['dtype']}{entry['shape']} in {entry['location']}"
+            + (f", scale {entry['encoding']['scale']:.3g}" if entry["encoding"] else "")
+        )
     return 0
 
 
@@ -132,7 +155,9 @@ def load_steps(path: Path, limit: int | None) -> list[tuple[torch.Tensor, ...]]:
     try:
         steps = torch.load(path, weights_only=True)
     except Exception as error:
-        raise InputError(f"--inputs {path} is not a torch.save'd list of tuples: {error}") from error
+        raise InputError(
+            f"--inputs {path} is not a torch.save'd list of tuples: {error}"
+        ) from error
     steps = check_steps(steps, what=f"--inputs {path}")
     if limit is not None:
         if limit < 1:
@@ -149,8 +174,9 @@ def _runner(args: argparse.Namespace):
     if args.target == "adb":
         from qnn_mutbuf.runners.adb import AdbRunner
 
-        return AdbRunner(args.pte, serial=args.serial, host=args.host,
-                         build_folder=args.build_folder)
+        return AdbRunner(
+            args.pte, serial=args.serial, host=args.host, build_folder=args.build_folder
+        )
     from qnn_mutbuf.runners.aihub import AiHubRunner
 
     return AiHubRunner(args.pte, device=args.device, chipset=args.chipset)
@@ -248,15 +274,20 @@ def demo(args: argparse.Namespace) -> int:
 
     module, calibration, example = (small if args.small else seed)()
     shape = tuple(module.k_cache.shape)
-    print(f"seed model: k_cache{list(shape)} written with index_copy_ along dim 1, "
-          f"{args.quant}, cache {'at top level' if args.no_delegate_buffers else 'in the delegate'}")
+    print(
+        f"seed model: k_cache{list(shape)} written with index_copy_ along dim 1, "
+        f"{args.quant}, cache {'at top level' if args.no_delegate_buffers else 'in the delegate'}"
+    )
     with captured_native_output(args.capture_native):
         quantized = quantize(module, calibration, quant=args.quant)
-        program = lower(quantized, example, soc="SM8650",
-                        delegate_mutable_buffers=not args.no_delegate_buffers)
+        program = lower(
+            quantized, example, soc="SM8650", delegate_mutable_buffers=not args.no_delegate_buffers
+        )
     report = program.qnn_mutbuf_report
-    print(f"lowered for SM8650 in {report.seconds:.1f}s: {report.nodes_on_htp} nodes on HTP, "
-          f"CPU: {', '.join(report.cpu_ops) or 'none'}")
+    print(
+        f"lowered for SM8650 in {report.seconds:.1f}s: {report.nodes_on_htp} nodes on HTP, "
+        f"CPU: {', '.join(report.cpu_ops) or 'none'}"
+    )
     steps = decode_steps(args.steps, shape=shape, seed=7)
     with captured_native_output(args.capture_native):
         runner = HostRunner(program.buffer)
@@ -269,6 +300,8 @@ def demo(args: argparse.Namespace) -> int:
     ]
     print(format_table(tables))
     fake_quant = tables[1]
-    print(f"worst step vs fake-quant: {fake_quant.worst_steps():.2f} quantization steps; "
-          f"min SQNR vs fp32: {tables[0].min_sqnr():.1f} dB")
+    print(
+        f"worst step vs fake-quant: {fake_quant.worst_steps():.2f} quantization steps; "
+        f"min SQNR vs fp32: {tables[0].min_sqnr():.1f} dB"
+    )
     return 0

@@ -82,7 +82,10 @@ def graph_io(context: ContextBinary) -> tuple[list[GraphTensor], list[GraphTenso
     activate_host_sdk()
     manager = adaptor.QnnManager(context.compile_spec, context.processed)
     try:
-        if manager.InitBackend() != adaptor.Error.Ok or manager.InitContextCache() != adaptor.Error.Ok:
+        if (
+            manager.InitBackend() != adaptor.Error.Ok
+            or manager.InitContextCache() != adaptor.Error.Ok
+        ):
             raise InputError("QNN could not load the context binary on the host simulator.")
         graph = manager.GetGraphNames()[0]
         manager.AllocateTensor(graph)

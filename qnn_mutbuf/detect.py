@@ -47,10 +47,7 @@ def is_view_op(node: Node) -> bool:
     # Multi-output views (split, unbind) annotate the list's elements, so the
     # return's own alias set is empty: any read-only alias pair counts.
     return (
-        first is not None
-        and returned is not None
-        and not returned.is_write
-        and not first.is_write
+        first is not None and returned is not None and not returned.is_write and not first.is_write
     )
 
 

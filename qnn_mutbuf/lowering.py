@@ -134,9 +134,7 @@ def quantize(
         quant_dtype(quant)  # validate the name even when the quantizer decides
     if isinstance(module, torch.nn.Module) and not isinstance(module, GraphModule):
         module = module.eval()
-    initial_module_state = {
-        name: value.detach().clone() for name, value in module.named_buffers()
-    }
+    initial_module_state = {name: value.detach().clone() for name, value in module.named_buffers()}
     with stage("export"):
         graph_module = export_for_quantization(module, steps[0])
     with stage("prepare"):
@@ -235,7 +233,10 @@ def read_state_encodings(converted: GraphModule) -> dict[str, StateEncodingRecor
         if isinstance(value, torch.fx.Node) and value.target == dequantize:
             _, scale, zero_point, quant_min, quant_max, dtype = value.args[:6]
             encodings[name] = StateEncodingRecord(
-                float(scale), int(zero_point), int(quant_min), int(quant_max),
+                float(scale),
+                int(zero_point),
+                int(quant_min),
+                int(quant_max),
                 str(dtype).removeprefix("torch."),
             )
     return encodings
@@ -390,7 +391,9 @@ def lower_graph_module(
         )
     top_level = mark_initialized_buffers(edge.exported_program())
     # Before to_executorch, which rewrites the edge program in place (out variants).
-    report = _report(edge.exported_program(), soc, fp16, delegate_mutable_buffers, mutable, top_level)
+    report = _report(
+        edge.exported_program(), soc, fp16, delegate_mutable_buffers, mutable, top_level
+    )
     with stage("serialize"):
         program = edge.to_executorch(
             ExecutorchBackendConfig(
@@ -414,9 +417,7 @@ def _report(program, soc, fp16, delegate, mutable, top_level) -> LoweringReport:
             continue  # ExecuTorch's write-back of a top-level buffer, not model compute
         if "executorch_call_delegate" in str(node.target):
             lowered = getattr(program.graph_module, node.args[0].target)
-            on_htp += sum(
-                1 for n in lowered.original_module.graph.nodes if n.op == "call_function"
-            )
+            on_htp += sum(1 for n in lowered.original_module.graph.nodes if n.op == "call_function")
         elif node.target.__name__ != "getitem":
             cpu_ops.append(str(node.target))
     model_buffers = [name for name in mutable if name != STARTED_BUFFER]

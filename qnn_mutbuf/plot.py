@@ -19,9 +19,7 @@ def plot_sqnr(tables: Sequence[ComparisonTable], path: Path, title: str = "") ->
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise InputError(
-            "--plot needs matplotlib: pip install 'qnn-mutbuf[plot]'"
-        ) from error
+        raise InputError("--plot needs matplotlib: pip install 'qnn-mutbuf[plot]'") from error
     figure, axis = plt.subplots(figsize=(7, 4))
     for table in tables:
         outputs = sorted({row.output for row in table.rows})

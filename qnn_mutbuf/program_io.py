@@ -98,7 +98,9 @@ def read_program_io(pte: str | os.PathLike | bytes, method: str = "forward") -> 
             raise InputError(f"Value {index} of {method} is not a tensor ({type(value).__name__}).")
         dtype = SCALAR_TYPE_TO_DTYPE.get(int(value.scalar_type))
         if dtype is None:
-            raise InputError(f"Value {index} of {method} has unsupported dtype {value.scalar_type}.")
+            raise InputError(
+                f"Value {index} of {method} has unsupported dtype {value.scalar_type}."
+            )
         return TensorSpec(tuple(int(s) for s in value.sizes), dtype)
 
     operators = tuple(

@@ -58,7 +58,9 @@ def stage(description: str) -> Iterator[None]:
         stream.flush()
 
 
-def _draw(description: str, done: int, total: int | None, start: float, final: bool = False) -> None:
+def _draw(
+    description: str, done: int, total: int | None, start: float, final: bool = False
+) -> None:
     elapsed = time.monotonic() - start
     if total:
         width = 24

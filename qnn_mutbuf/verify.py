@@ -166,9 +166,7 @@ def format_table(tables: Sequence[ComparisonTable], output: int = 0) -> str:
     for step in steps:
         line = f"{step:>4}"
         for table in tables:
-            row = next(
-                (r for r in table.rows if r.step == step and r.output == output), None
-            )
+            row = next((r for r in table.rows if r.step == step and r.output == output), None)
             if row is None:
                 line += " | " + " " * 25 + " | " + " " * 7
                 continue

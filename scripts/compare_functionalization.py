@@ -120,33 +120,40 @@ def main() -> int:
         make_model, make_steps, _ = cases[case]
         steps = make_steps(args.steps, 1)
         print(f"{case} ...", file=sys.stderr, flush=True)
+        model = make_model().eval()
+
+        def ours_quantized(make_model=make_model, steps=steps):
+            return quantize(make_model().eval(), steps, quant=args.quant)
+
+        def approach_one_quantized(make_model=make_model, steps=steps):
+            return approach_one(make_model().eval(), steps, args.quant)
+
         with captured_native_output():
-            ours = measure(
-                "qnn_mutbuf", lambda: quantize(make_model().eval(), steps, quant=args.quant),
-                make_model().eval(), steps, args.quant, True,
-            )
+            ours = measure("qnn_mutbuf", ours_quantized, model, steps, args.quant, True)
             first_try = measure(
-                "approach 1", lambda: approach_one(make_model().eval(), steps, args.quant),
-                make_model().eval(), steps, args.quant, True,
+                "approach 1", approach_one_quantized, model, steps, args.quant, True
             )
             fallback = None
             if first_try.get("stage") == "lower":
                 fallback = measure(
-                    "approach 1", lambda: approach_one(make_model().eval(), steps, args.quant),
-                    make_model().eval(), steps, args.quant, False,
+                    "approach 1", approach_one_quantized, model, steps, args.quant, False
                 )
         rows.append((case, ours, first_try, fallback))
 
     print(f"\n{args.quant}, {args.steps} steps, host simulator (SM8650)\n")
-    print("| case | approach | buffers | lower+quantize s | .pte bytes | worst max err vs fp32 | min SQNR vs fp32 dB | worst vs own fake-quant (steps) |")
+    print(
+        "| case | approach | buffers | lower+quantize s | .pte bytes | worst max err vs fp32 | min SQNR vs fp32 dB | worst vs own fake-quant (steps) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for case, *results in rows:
         for result in results:
             if result is None:
                 continue
             if "error" in result:
-                print(f"| {case} | {result['approach']} | delegated | {result['stage']} fails: "
-                      f"{result['error']} | | | | |")
+                print(
+                    f"| {case} | {result['approach']} | delegated | {result['stage']} fails: "
+                    f"{result['error']} | | | | |"
+                )
                 continue
             where = "delegated" if result["delegated"] else "top level"
             print(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 
@@ -58,7 +57,9 @@ def build_model(seed: int = 0, initializer_range: float = 0.02) -> torch.nn.Modu
     return DecodeStep(wrapper).eval()
 
 
-def decode_steps(count: int, seed: int = 1, vocab: int = 256) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def decode_steps(
+    count: int, seed: int = 1, vocab: int = 256
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Token ids and cache positions 0..count-1 (a random "prompt", teacher-forced)."""
     tokens = torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed))
     return [(tokens[i : i + 1].view(1, 1), torch.tensor([i])) for i in range(count)]
@@ -72,30 +73,19 @@ def main() -> int:
     parser.add_argument("--pte", help="also write the lowered program here")
     args = parser.parse_args()
 
-    from qnn_mutbuf import HostRunner, lower, quantize
-    from qnn_mutbuf.native_output import captured_native_output
-    from qnn_mutbuf.verify import EagerRunner, decode_table, format_decode_table
+    from decoder_report import report
 
-    model = build_model()
-    calibration = decode_steps(args.calibration_steps, seed=1)
-    steps = decode_steps(args.steps, seed=2)
-    start = time.monotonic()
-    with captured_native_output():
-        quantized = quantize(model, calibration, quant=args.quant)
-        program = lower(quantized, calibration[0], soc="SM8650")
-    report = program.qnn_mutbuf_report
-    print(f"Qwen2 tiny, {args.quant}: quantized and lowered in {time.monotonic() - start:.1f}s; "
-          f"{report.nodes_on_htp} nodes on HTP, CPU ops: {report.cpu_ops or 'none'}")
-    print(f"caches in the delegate: {', '.join(report.delegated_buffers)}")
-    print(f"at top level: {', '.join(report.top_level_buffers) or 'none'}")
+    program = report(
+        "Qwen2 tiny",
+        build_model(),
+        decode_steps(args.calibration_steps, seed=1),
+        decode_steps(args.steps, seed=2),
+        args.quant,
+    )
     if args.pte:
         from qnn_mutbuf.artifacts import write_atomically
 
         write_atomically(args.pte, program.buffer)
-    with captured_native_output():
-        device = HostRunner(program.buffer).run(steps)
-    rows = decode_table(EagerRunner(model).run(steps), EagerRunner(quantized).run(steps), device)
-    print(format_decode_table(rows))
     return 0
 
 

@@ -78,7 +78,14 @@ def index_copy_steps(count, seed, shape=(1, 1024, 12, 64)):
 
 def index_put_steps(mode, count, seed):
     generator = torch.Generator().manual_seed(seed)
-    value_shapes = {0: (1, 16, 3, 4), 1: (2, 1, 3, 4), 2: (2, 16, 1, 4), 3: (2, 3, 4), 4: (2, 2, 4), 5: (2, 16, 4)}
+    value_shapes = {
+        0: (1, 16, 3, 4),
+        1: (2, 1, 3, 4),
+        2: (2, 16, 1, 4),
+        3: (2, 3, 4),
+        4: (2, 2, 4),
+        5: (2, 16, 4),
+    }
     steps = []
     for step in range(count):
         k = step + seed
@@ -106,7 +113,10 @@ def index_put_steps(mode, count, seed):
 
 def tensor_index_steps(count, seed):
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.tensor([(step * 5 + seed) % 16]), ranged((1, 1, 8), generator)) for step in range(count)]
+    return [
+        (torch.tensor([(step * 5 + seed) % 16]), ranged((1, 1, 8), generator))
+        for step in range(count)
+    ]
 
 
 KV_CASES = {

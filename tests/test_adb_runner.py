@@ -63,7 +63,9 @@ def phone(tmp_path, monkeypatch):
 
 def _device_runs(root: Path) -> list[str]:
     base = root / "fs/data/local/tmp/qnn_mutbuf"
-    return sorted(p.name for p in base.iterdir() if p.name.startswith("run-")) if base.exists() else []
+    return (
+        sorted(p.name for p in base.iterdir() if p.name.startswith("run-")) if base.exists() else []
+    )
 
 
 def test_steps_on_the_phone_match_the_host_and_state_carries(program, phone):
@@ -83,7 +85,9 @@ def test_steps_on_the_phone_match_the_host_and_state_carries(program, phone):
     assert again.pushed == []
     calls = (phone["root"] / "calls.log").read_text()
     assert "--iteration 1 --warm_up 0" in calls
-    library_path, adsp_path = (phone["root"] / "runner_env.txt").read_text().splitlines()[0].split("|")
+    library_path, adsp_path = (
+        (phone["root"] / "runner_env.txt").read_text().splitlines()[0].split("|")
+    )
     assert library_path.split(":")[0].endswith("/data/local/tmp/qnn_mutbuf/libs")
     assert adsp_path.endswith("/data/local/tmp/qnn_mutbuf/libs")
 
@@ -115,7 +119,9 @@ def test_phone_that_disappears_mid_run(program, phone, monkeypatch):
 
 def test_setup_errors_name_what_is_missing(program, phone, monkeypatch, tmp_path):
     data = program[0]
-    with pytest.raises(DeviceError, match="No ready device with serial nope; adb sees: emulator-5554"):
+    with pytest.raises(
+        DeviceError, match="No ready device with serial nope; adb sees: emulator-5554"
+    ):
         AdbRunner(data, serial="nope", build_folder=phone["build"], qnn_sdk_root=phone["sdk"])
     with pytest.raises(DeviceError, match="Missing libQnnHtpV75Skel.so for SM8650"):
         (phone["sdk"] / "lib/hexagon-v75/unsigned/libQnnHtpV75Skel.so").unlink()
@@ -137,9 +143,23 @@ def test_cli_run_adb(program, phone, tmp_path):
     torch.save(steps, tmp_path / "steps.pt")
     env = dict(os.environ, QNN_SDK_ROOT=str(phone["sdk"]))
     result = subprocess.run(
-        [sys.executable, "-m", "qnn_mutbuf.cli", "run", "adb", str(pte), "--inputs",
-         str(tmp_path / "steps.pt"), "--build-folder", str(phone["build"]), "-s", "emulator-5554"],
-        env=env, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "qnn_mutbuf.cli",
+            "run",
+            "adb",
+            str(pte),
+            "--inputs",
+            str(tmp_path / "steps.pt"),
+            "--build-folder",
+            str(phone["build"]),
+            "-s",
+            "emulator-5554",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
     assert "step   5:" in result.stdout

@@ -62,8 +62,8 @@ def test_delegated_state_is_fed_from_the_previous_step(program):
     hub = FakeHub()
     runner = AiHubRunner(data, client=hub)
     runner.run(steps)
-    for (index, (state_in, state_out)) in runner.state_pairs.items():
-        for previous, job in zip(hub.jobs, hub.jobs[1:]):
+    for state_in, state_out in runner.state_pairs.values():
+        for previous, job in zip(hub.jobs, hub.jobs[1:], strict=False):
             assert (job.inputs[state_in.name][0] == previous.outputs[state_out.name][0]).all()
     if runner.flag_input is not None:
         flags = [bool(job.inputs[runner.flag_input.name][0][0]) for job in hub.jobs]

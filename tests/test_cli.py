@@ -20,7 +20,9 @@ def cli(*arguments, check=True):
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["doctor"], ["export"], ["run"], ["demo"]], ids=["main", "doctor", "export", "run", "demo"]
+    "command",
+    [[], ["doctor"], ["export"], ["run"], ["demo"]],
+    ids=["main", "doctor", "export", "run", "demo"],
 )
 def test_help_reads_well(command):
     result = cli(*command, "--help")
@@ -73,8 +75,17 @@ def test_run_host_with_reference_report_and_plot(exported):
     report = folder / "report.json"
     plot = folder / "errors.png"
     result = cli(
-        "run", "host", str(pte), "--inputs", str(folder / "steps.pt"), "--reference", SMALL,
-        "--report", str(report), "--plot", str(plot),
+        "run",
+        "host",
+        str(pte),
+        "--inputs",
+        str(folder / "steps.pt"),
+        "--reference",
+        SMALL,
+        "--report",
+        str(report),
+        "--plot",
+        str(plot),
     )
     assert "step   4:" in result.stdout
     assert "vs fake-quant" in result.stdout
@@ -90,7 +101,9 @@ def test_run_host_with_reference_report_and_plot(exported):
 def test_run_errors_are_one_line_each(exported, tmp_path):
     folder, pte = exported
     result = cli("run", "host", str(pte), "--inputs", str(tmp_path / "nope.pt"), check=False)
-    assert result.returncode == 1 and "--inputs" in result.stderr and "no such file" in result.stderr
+    assert (
+        result.returncode == 1 and "--inputs" in result.stderr and "no such file" in result.stderr
+    )
     bad = tmp_path / "bad.pt"
     torch.save([(torch.zeros(3),)], bad)
     result = cli("run", "host", str(pte), "--inputs", str(bad), check=False)

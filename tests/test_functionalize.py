@@ -49,11 +49,14 @@ def test_functionalized_graph_matches_eager_over_steps():
     graph_module = torch.export.export(copy.deepcopy(model), example).module()
     functional = functionalize_mutable_buffers(graph_module)
     generator = torch.Generator().manual_seed(0)
-    steps = [(torch.randn(4, generator=generator), torch.randn(1, 1, 2, 4, generator=generator)) for _ in range(5)]
+    steps = [
+        (torch.randn(4, generator=generator), torch.randn(1, 1, 2, 4, generator=generator))
+        for _ in range(5)
+    ]
     expected = _run(model, steps)
     actual = _run(functional, steps)
-    for want, got in zip(expected, actual):
-        for a, b in zip(want, got):
+    for want, got in zip(expected, actual, strict=True):
+        for a, b in zip(want, got, strict=True):
             assert torch.equal(a, b)
     for name, value in model.named_buffers():
         assert torch.equal(value, functional.get_buffer(name)), name
@@ -79,12 +82,18 @@ def test_metadata_points_at_user_code():
     source = {n.name: n for n in original.graph.nodes}
     mul_stack = source["mul_"].meta["nn_module_stack"]
     functional = functionalize_mutable_buffers(original)
-    writes = [n for n in functional.graph.nodes if n.meta.get(STATE_META_KEY, {}).get("role") == "write"]
+    writes = [
+        n for n in functional.graph.nodes if n.meta.get(STATE_META_KEY, {}).get("role") == "write"
+    ]
     assert writes
     for node in writes:
         assert "val" in node.meta and "stack_trace" in node.meta, node
         assert "nn_module_stack" in node.meta, node
-    mul = next(n for n in writes if n.target == torch.ops.aten.mul.Tensor and n.meta[STATE_META_KEY]["buffer"] == "acc")
+    mul = next(
+        n
+        for n in writes
+        if n.target == torch.ops.aten.mul.Tensor and n.meta[STATE_META_KEY]["buffer"] == "acc"
+    )
     assert mul.meta["nn_module_stack"] == mul_stack
     assert "self.acc.mul_(0.9)" in mul.meta["stack_trace"]
     assert "source_fn_stack" in mul.meta or "torch_fn" in mul.meta

@@ -64,7 +64,9 @@ def test_fp16_float_model_is_close_to_fp32(host_sdk):
     model = ConvLinearAdd().eval()
     steps = [(torch.randn(1, 3, 8, 8), torch.randn(1, 8)) for _ in range(3)]
     program = lower(model, steps[0], fp16=True)
-    table = compare_steps("fp32", EagerRunner(model).run(steps), HostRunner(program.buffer).run(steps))
+    table = compare_steps(
+        "fp32", EagerRunner(model).run(steps), HostRunner(program.buffer).run(steps)
+    )
     assert table.min_sqnr() >= 50.0
 
 

@@ -40,8 +40,12 @@ def annotate_masked_scores(graph_module: GraphModule, quantization_config_for) -
             observer_or_fake_quant_ctr=MaskedScoresObserver.with_args(**keywords),
         )
         _, on_true, on_false = node.args
-        constant = next((v for v in (on_true, on_false) if is_float_value(v) and _is_mask_constant(v)), None)
-        scores = next((v for v in (on_true, on_false) if is_float_value(v) and v is not constant), None)
+        constant = next(
+            (v for v in (on_true, on_false) if is_float_value(v) and _is_mask_constant(v)), None
+        )
+        scores = next(
+            (v for v in (on_true, on_false) if is_float_value(v) and v is not constant), None
+        )
         if constant is None or scores is None:
             continue
         # The HTP's Select does not requantize its inputs: scores, masked value and

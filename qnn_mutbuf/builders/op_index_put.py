@@ -16,8 +16,6 @@ Replaces upstream's visitor for ``aten.index_put.default``:
 
 from __future__ import annotations
 
-from typing import Dict
-
 import executorch.backends.qualcomm.python.PyQnnManagerAdaptor as PyQnnManager
 import numpy as np
 import torch
@@ -81,7 +79,7 @@ class StateIndexPutVisitor(_UpstreamIndexPutVisitor):
     def define_node(
         self,
         node: torch.fx.Node,
-        nodes_to_wrappers: Dict[torch.fx.Node, PyQnnManager.TensorWrapper],
+        nodes_to_wrappers: dict[torch.fx.Node, PyQnnManager.TensorWrapper],
     ):
         if not needs_own_builder(node, self.edge_program):
             return super().define_node(node, nodes_to_wrappers)
@@ -156,9 +154,7 @@ class _ScatterBuilder:
             if indices[dim] is None:
                 components.append(self._range_component(dim, shape[dim], layout, grid))
             else:
-                components.append(
-                    self._index_component(dim, indices[dim], broadcast, layout, grid)
-                )
+                components.append(self._index_component(dim, indices[dim], broadcast, layout, grid))
         index_wrapper = self._concat_components(components, grid, count)
         updates_wrapper = self._updates(grid + shape[count:])
 
@@ -243,7 +239,9 @@ class _ScatterBuilder:
         placed = []
         for kind, position in layout:
             placed.append(leading[position] if kind == "index" else 1)
-        reshaped = self._reshape(f"index_{dim}_reshape", wrapper, dtype, UNDEFINED, {}, placed + [1])
+        reshaped = self._reshape(
+            f"index_{dim}_reshape", wrapper, dtype, UNDEFINED, {}, placed + [1]
+        )
         multiples = [g // p for g, p in zip(grid, placed, strict=True)] + [1]
         return self._tile(
             f"index_{dim}_tile", reshaped, dtype, UNDEFINED, {}, grid + [1], multiples
@@ -277,7 +275,11 @@ class _ScatterBuilder:
         aligned = [1] * (len(result_shape) - value_tensor.dim()) + list(value_tensor.shape)
         reshaped = self._reshape("value_reshape", value_wrapper, dtype, encoding, configs, aligned)
         multiples = [r // a for r, a in zip(result_shape, aligned, strict=True)]
-        if QCOM_QUANT_ATTRS in node.meta and encoding == UNDEFINED and value_tensor.is_floating_point():
+        if (
+            QCOM_QUANT_ATTRS in node.meta
+            and encoding == UNDEFINED
+            and value_tensor.is_floating_point()
+        ):
             raise LoweringError(
                 f"index_put node '{node.name}' is quantized but its values are not."
             )

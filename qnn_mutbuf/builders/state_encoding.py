@@ -53,14 +53,20 @@ def give_state_encoding(
     if written is None:
         return
     current = state.meta.get(QCOM_QUANT_ATTRS)
-    if current is not None and not same_encoding(current, written) and is_state_tensor(
-        state, edge_program
+    if (
+        current is not None
+        and not same_encoding(current, written)
+        and is_state_tensor(state, edge_program)
     ):
         logger.warning(
             "Mutable buffer read by '%s' (scale %s, zero point %s) is written by '%s' with "
             "scale %s, zero point %s; reading it in the written encoding. Quantize with "
             "MutableBufferQnnQuantizer to give both one encoding that covers the initial state.",
-            state.name, current.get("scale"), current.get("zero_point"),
-            writer.name, written.get("scale"), written.get("zero_point"),
+            state.name,
+            current.get("scale"),
+            current.get("zero_point"),
+            writer.name,
+            written.get("scale"),
+            written.get("zero_point"),
         )
     state.meta[QCOM_QUANT_ATTRS] = dict(written)

@@ -92,7 +92,10 @@ class BoundAttentionMasks(PassBase):
             true_value = _constant_value(on_true, graph_module)
             false_value = _constant_value(on_false, graph_module)
             scores_shape = tuple(node.meta["val"].shape) if "val" in node.meta else None
-            if scores_shape is None or tuple(scores.meta.get("val", torch.empty(0)).shape) != scores_shape:
+            if (
+                scores_shape is None
+                or tuple(scores.meta.get("val", torch.empty(0)).shape) != scores_shape
+            ):
                 continue  # the mask would broadcast the scores: leave it alone
             if true_value == 0.0 and _is_masked_value(false_value):
                 return condition, scores, self._masked_constant(node)

@@ -109,7 +109,9 @@ class InsertInitialStateSelect(PassBase):
                 replacement = select
             else:
                 scale, zero_point, quant_min, quant_max, dtype = encoding
-                quantized = Q_PER_TENSOR(constant.float(), scale, zero_point, quant_min, quant_max, dtype)
+                quantized = Q_PER_TENSOR(
+                    constant.float(), scale, zero_point, quant_min, quant_max, dtype
+                )
                 graph_module.register_buffer(constant_name, quantized)
                 qargs = (scale, zero_point, quant_min, quant_max, dtype)
                 q_read = graph.call_function(Q_PER_TENSOR, (read, *qargs))

@@ -23,7 +23,11 @@ _FLOOR_DIVIDE = {aten.floor_divide.default, aten.floor_divide.Scalar}
 
 def _is_integer(node: object) -> bool:
     value = node.meta.get("val") if isinstance(node, Node) else None
-    return isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool
+    return (
+        isinstance(value, torch.Tensor)
+        and not value.is_floating_point()
+        and value.dtype != torch.bool
+    )
 
 
 def _is_floor_division(node: Node) -> bool:
@@ -65,7 +69,15 @@ class DecomposeIntegerArithmetic(PassBase):
             value = node.meta["val"]
             created = []
 
-            def call(target, args, kwargs=None, out_dtype=torch.float32):
+            def call(
+                target,
+                args,
+                kwargs=None,
+                out_dtype=torch.float32,
+                node=node,
+                value=value,
+                created=created,
+            ):
                 new = graph.call_function(target, args, kwargs or {})
                 for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node"):
                     if key in node.meta:

@@ -73,7 +73,10 @@ def keep_delegated_state_quantized(edge_program: ExportedProgram) -> list[str]:
                 "Mutable buffer '%s' is read with %s but written with %s (node '%s'); it is "
                 "kept in the written encoding. MutableBufferQnnQuantizer gives both one "
                 "encoding that also covers the initial state.",
-                buffer, dict(_attrs_key(read_attrs)), dict(_attrs_key(write_attrs)), producer.name,
+                buffer,
+                dict(_attrs_key(read_attrs)),
+                dict(_attrs_key(write_attrs)),
+                producer.name,
             )
         placeholder.meta[QCOM_QUANT_ATTRS] = dict(write_attrs)
         dtype = write_attrs[QCOM_DTYPE]

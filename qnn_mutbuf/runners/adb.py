@@ -37,7 +37,9 @@ MANIFEST = ".qnn_mutbuf_manifest"
 _EXIT_MARKER = "qnn_mutbuf_exit="
 
 
-def list_adb_devices(adb: str, host: str | None = None, timeout: float = 20.0) -> list[tuple[str, str]]:
+def list_adb_devices(
+    adb: str, host: str | None = None, timeout: float = 20.0
+) -> list[tuple[str, str]]:
     """(serial, state) of every device `adb devices` reports."""
     command = [adb] + (["-H", host] if host else []) + ["devices"]
     try:
@@ -76,7 +78,12 @@ def required_files(build_folder: Path, sdk_root: Path, soc: str) -> list[DeviceF
         ],
     }
     target = sdk_root / "lib" / "aarch64-android"
-    for name in ("libQnnHtp.so", f"libQnnHtpV{arch}Stub.so", "libQnnHtpPrepare.so", "libQnnSystem.so"):
+    for name in (
+        "libQnnHtp.so",
+        f"libQnnHtpV{arch}Stub.so",
+        "libQnnHtpPrepare.so",
+        "libQnnSystem.so",
+    ):
         candidates[name] = [target / name]
     skel = f"libQnnHtpV{arch}Skel.so"
     candidates[skel] = [sdk_root / "lib" / f"hexagon-v{arch}" / "unsigned" / skel]
@@ -184,7 +191,9 @@ class AdbRunner:
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=self.timeout)
         except subprocess.TimeoutExpired as error:
-            raise DeviceError(f"`{shlex.join(command)}` timed out after {self.timeout:.0f}s") from error
+            raise DeviceError(
+                f"`{shlex.join(command)}` timed out after {self.timeout:.0f}s"
+            ) from error
         if check and result.returncode != 0:
             detail = (result.stderr or result.stdout).strip()
             if "not found" in detail or "offline" in detail or "no devices" in detail:
@@ -192,7 +201,9 @@ class AdbRunner:
                     f"Phone {self.serial} is no longer reachable over adb ({detail}). "
                     "Reconnect it and check `adb devices`."
                 )
-            raise DeviceError(f"`{shlex.join(command)}` failed (exit {result.returncode}): {detail}")
+            raise DeviceError(
+                f"`{shlex.join(command)}` failed (exit {result.returncode}): {detail}"
+            )
         return result
 
     def _shell(self, script: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -215,7 +226,9 @@ class AdbRunner:
                 "debugging enabled, or pass -H for a remote adb server."
             )
         if len(ready) > 1:
-            raise DeviceError(f"Several phones attached ({', '.join(ready)}); pick one with -s SERIAL.")
+            raise DeviceError(
+                f"Several phones attached ({', '.join(ready)}); pick one with -s SERIAL."
+            )
         return ready[0]
 
     # --- pushing --------------------------------------------------------------------
@@ -227,7 +240,9 @@ class AdbRunner:
     def _sync_libraries(self, scratch: Path) -> list[str]:
         """Pushes the runner and libraries whose content changed; returns their names."""
         self._shell(f"mkdir -p {shlex.quote(self.library_dir)}")
-        listing = self._shell(f"cat {shlex.quote(self.library_dir + '/' + MANIFEST)} 2>/dev/null", check=False)
+        listing = self._shell(
+            f"cat {shlex.quote(self.library_dir + '/' + MANIFEST)} 2>/dev/null", check=False
+        )
         on_device = dict(
             line.split(" ", 1)[::-1] for line in listing.stdout.splitlines() if " " in line
         )
@@ -249,7 +264,9 @@ class AdbRunner:
 
     def run(self, steps: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """Runs every step in one process on the phone; returns per-step outputs."""
-        checked = [check_step_inputs(self.io.inputs, step, index) for index, step in enumerate(steps)]
+        checked = [
+            check_step_inputs(self.io.inputs, step, index) for index, step in enumerate(steps)
+        ]
         work = f"{self.device_root}/run-{uuid.uuid4().hex[:12]}"
         with tempfile.TemporaryDirectory(prefix="qnn_mutbuf_adb_") as scratch_name:
             scratch = Path(scratch_name)
@@ -295,7 +312,7 @@ class AdbRunner:
         code = None
         for line in result.stdout.splitlines():
             if line.startswith(_EXIT_MARKER):
-                code = int(line[len(_EXIT_MARKER):].strip() or -1)
+                code = int(line[len(_EXIT_MARKER) :].strip() or -1)
         log = self._shell(f"tail -n 30 {shlex.quote(work)}/runner.log", check=False).stdout
         self.last_log = log
         if code != 0:

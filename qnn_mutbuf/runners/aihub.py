@@ -136,7 +136,9 @@ def read_hub_io(context: ContextBinary) -> tuple[list[HubTensor], list[HubTensor
             described = []
             for tensor in tensors:
                 encodings = list(tensor.GetEncodings().data)
-                scale, offset = (float(encodings[0][0]), int(encodings[0][1])) if encodings else (None, None)
+                scale, offset = (
+                    (float(encodings[0][0]), int(encodings[0][1])) if encodings else (None, None)
+                )
                 described.append(
                     HubTensor(
                         tensor.GetName(),
@@ -232,7 +234,9 @@ class AiHubRunner:
         state_inputs = {t.mutbuf: t for t in self.inputs if t.mutbuf is not None}
         state_outputs = {t.mutbuf: t for t in self.outputs if t.mutbuf is not None}
         if set(state_inputs) != set(state_outputs):
-            raise AiHubError("The context binary's mutable-buffer inputs and outputs do not pair up.")
+            raise AiHubError(
+                "The context binary's mutable-buffer inputs and outputs do not pair up."
+            )
         self.state_pairs = {k: (state_inputs[k], state_outputs[k]) for k in state_inputs}
         self.flag_input = next((t for t in self.inputs if t.is_loaded_flag), None)
         rest = [t for t in self.outputs if t.mutbuf is None]
@@ -280,7 +284,8 @@ class AiHubRunner:
         checked = [check_step_inputs(self.io.inputs, s, i) for i, s in enumerate(steps)]
         self._upload()
         state = {
-            k: np.zeros(pair[0].shape, dtype=pair[0].numpy_dtype) for k, pair in self.state_pairs.items()
+            k: np.zeros(pair[0].shape, dtype=pair[0].numpy_dtype)
+            for k, pair in self.state_pairs.items()
         }
         results = []
         for index, step_inputs in enumerate(progress(checked, description="AI Hub steps")):
@@ -309,10 +314,12 @@ class AiHubRunner:
                 raise AiHubError(f"AI Hub job for step {index} returned no output data ({job}).")
             for key, (_, output_spec) in self.state_pairs.items():
                 state[key] = np.asarray(produced[output_spec.name][0]).reshape(output_spec.shape)
-            results.append([
-                self._from_graph(produced[spec.name][0], spec, program_spec.dtype)
-                for spec, program_spec in zip(self.user_outputs, self.io.outputs, strict=True)
-            ])
+            results.append(
+                [
+                    self._from_graph(produced[spec.name][0], spec, program_spec.dtype)
+                    for spec, program_spec in zip(self.user_outputs, self.io.outputs, strict=True)
+                ]
+            )
             if index == 0:
                 self.profile = job.download_profile()
                 self.profile_summary = summarize_profile(self.profile)

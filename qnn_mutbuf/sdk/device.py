@@ -11,7 +11,9 @@ from qnn_mutbuf.errors import SdkNotFoundError
 from qnn_mutbuf.sdk.activation import activate_host_sdk
 
 
-def htp_compile_spec(soc: str = "SM8650", fp16: bool = False, from_context_binary: bool = False) -> list:
+def htp_compile_spec(
+    soc: str = "SM8650", fp16: bool = False, from_context_binary: bool = False
+) -> list:
     """ExecuTorch compile specs for the HTP of `soc`."""
     from executorch.backends.qualcomm.utils.utils import (
         generate_htp_compiler_spec,

@@ -87,7 +87,15 @@ class FakeHub:
         )
 
     def submit_inference_job(
-        self, model, device, inputs=None, name=None, options="", retry=True, profile=True, project=None
+        self,
+        model,
+        device,
+        inputs=None,
+        name=None,
+        options="",
+        retry=True,
+        profile=True,
+        project=None,
     ) -> FakeJob:
         from executorch.runtime import Runtime
 
@@ -100,7 +108,7 @@ class FakeHub:
         program = Runtime.get().load_program(model.program)
         method = program.load_method(next(iter(program.method_names)))
         produced = method.execute(arrays)
-        outputs = {n: [t.numpy().copy()] for n, t in zip(model.output_names, produced)}
+        outputs = {n: [t.numpy().copy()] for n, t in zip(model.output_names, produced, strict=True)}
         report = None
         if profile:
             report = {
@@ -111,8 +119,18 @@ class FakeHub:
                     "warm_load_time": 20_000,
                 },
                 "execution_detail": [
-                    {"name": "index_put", "type": "ScatterNd", "compute_unit": "NPU", "execution_time": 900},
-                    {"name": "select", "type": "ElementWiseSelect", "compute_unit": "NPU", "execution_time": 300},
+                    {
+                        "name": "index_put",
+                        "type": "ScatterNd",
+                        "compute_unit": "NPU",
+                        "execution_time": 900,
+                    },
+                    {
+                        "name": "select",
+                        "type": "ElementWiseSelect",
+                        "compute_unit": "NPU",
+                        "execution_time": 300,
+                    },
                 ],
             }
         job = FakeJob(outputs, report, name, options, device, inputs)

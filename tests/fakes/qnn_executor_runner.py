@@ -45,7 +45,9 @@ def main() -> int:
             data = value.contiguous().numpy().tobytes()
             if os.environ.get("FAKE_RUNNER_TRUNCATE"):
                 data = data[:-1]
-            with open(os.path.join(args.output_folder_path, f"output_{step}_{index}.raw"), "wb") as out:
+            with open(
+                os.path.join(args.output_folder_path, f"output_{step}_{index}.raw"), "wb"
+            ) as out:
                 out.write(data)
         print(f"I qnn_executor_runner: 1 inference took 1.0 ms (step {step})")
     return 0
