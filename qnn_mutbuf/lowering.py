@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -394,7 +395,10 @@ def lower_graph_module(
     report = _report(
         edge.exported_program(), soc, fp16, delegate_mutable_buffers, mutable, top_level
     )
-    with stage("serialize"):
+    with stage("serialize"), warnings.catch_warnings():
+        # ExecuTorch warns about every mutable buffer, marked or not; every top-level
+        # one is marked above, so the warning would only mislead.
+        warnings.filterwarnings("ignore", message="Mutation on a buffer in the model")
         program = edge.to_executorch(
             ExecutorchBackendConfig(
                 memory_planning_pass=MemoryPlanningPass(

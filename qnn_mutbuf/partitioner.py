@@ -40,6 +40,8 @@ class MutableBufferQnnPartitioner(QnnPartitioner):
 
     def partition(self, edge_program: torch.export.ExportedProgram) -> PartitionResult:
         result = super().partition(edge_program)
+        for tag in merge_convex_partitions(edge_program.graph):
+            result.partition_tags.pop(tag, None)
         inputs_to_buffers = edge_program.graph_signature.inputs_to_buffers
         mutated = set(edge_program.graph_signature.buffers_to_mutate.values())
         for node in edge_program.graph.nodes:
@@ -55,3 +57,54 @@ class MutableBufferQnnPartitioner(QnnPartitioner):
                 node.meta.pop(DELEGATION_TAG, None)
         self.quantized_state_buffers = keep_delegated_state_quantized(edge_program)
         return result
+
+
+def merge_convex_partitions(graph: torch.fx.Graph) -> list[str]:
+    """Merges delegate partitions whose union is still convex; returns the tags gone.
+
+    torch's capability-based partitioner merges greedily, so the order it visits
+    nodes in (which follows Python's string hashing) can leave a fully supported
+    graph split in two delegates with the CPU copying tensors between them. Two
+    partitions can become one whenever no node outside both lies on a path from
+    one to the other.
+    """
+    merged: list[str] = []
+    while True:
+        members: dict[str, set[torch.fx.Node]] = {}
+        for node in graph.nodes:
+            tag = node.meta.get(DELEGATION_TAG)
+            if tag is not None and node.op == "call_function":
+                members.setdefault(tag, set()).add(node)
+        tags = sorted(members)
+        pair = next(
+            (
+                (a, b)
+                for i, a in enumerate(tags)
+                for b in tags[i + 1 :]
+                if _is_convex(members[a] | members[b])
+            ),
+            None,
+        )
+        if pair is None:
+            return merged
+        keep, gone = pair
+        for node in graph.nodes:
+            if node.meta.get(DELEGATION_TAG) == gone:
+                node.meta[DELEGATION_TAG] = keep
+        merged.append(gone)
+
+
+def _is_convex(nodes: set[torch.fx.Node]) -> bool:
+    """No path leaves `nodes` and comes back into them."""
+    outside = set()
+    frontier = [user for node in nodes for user in node.users if user not in nodes]
+    while frontier:
+        node = frontier.pop()
+        if node in outside:
+            continue
+        outside.add(node)
+        for user in node.users:
+            if user in nodes:
+                return False
+            frontier.append(user)
+    return True

@@ -25,6 +25,7 @@ from qnn_mutbuf.annotators.state import (
 )
 from qnn_mutbuf.passes.attention_mask import bound_attention_masks
 from qnn_mutbuf.passes.functionalize import STATE_META_KEY, functionalize_mutable_buffers
+from qnn_mutbuf.passes.gather_tables import pad_narrow_gather_tables
 from qnn_mutbuf.passes.integer_arithmetic import (
     decompose_integer_arithmetic,
     integer_arithmetic_nodes,
@@ -39,10 +40,11 @@ class MutableBufferQnnQuantizer(QnnQuantizer):
     (``set_default_quant_config``, ``set_submodule_qconfig_list``, recipes...).
 
     Args:
-        bound_attention_masks: opt in to rewriting ``-inf`` attention masks into a
-            bounded select (see passes/attention_mask.py). Off by default: it gives the
-            softmax input a fine step, but the HTP then differs from the fake-quant
-            reference by up to ~40 dB SQNR on the Qwen2 tiny decoder.
+        bound_attention_masks: also rewrite additive ``-inf`` masks on the scores
+            (``scores + where(c, 0, -inf)``, ``masked_fill``) into a bounded select
+            (see passes/attention_mask.py). Off by default: those masks quantize
+            exactly as they are. A masked position bias (``where(c, bias, -inf)``)
+            is always bounded, since quantized as it is the bias is lost.
     """
 
     def __init__(self, *args, bound_attention_masks: bool = False, **kwargs) -> None:
@@ -74,9 +76,9 @@ class MutableBufferQnnQuantizer(QnnQuantizer):
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         model = functionalize_mutable_buffers(model)
         model = decompose_integer_arithmetic(model)
+        model = pad_narrow_gather_tables(model)
         model = super().transform_for_annotation(model)
-        if self.bound_attention_masks:
-            model = bound_attention_masks(model)
+        model = bound_attention_masks(model, additive=self.bound_attention_masks)
         return model
 
     def annotate(self, model: GraphModule) -> GraphModule:

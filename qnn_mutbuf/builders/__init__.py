@@ -6,7 +6,7 @@ replacing upstream's visitors for the same targets; lowering imports it.
 
 import executorch.backends.qualcomm.builders  # noqa: F401  (upstream visitors first)
 
-from qnn_mutbuf.builders import op_index_put  # noqa: F401  (registers on import)
+from qnn_mutbuf.builders import op_index_put, op_to  # noqa: F401  (register on import)
 from qnn_mutbuf.builders.state_write import register_state_write_visitors
 
 register_state_write_visitors()

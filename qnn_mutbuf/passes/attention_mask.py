@@ -1,13 +1,15 @@
-"""Bounded attention masks: masked scores quantize without wrecking the real ones.
+"""Bounded attention masks: masked values quantize without wrecking the real ones.
 
-Decomposed attention adds ``where(causal, 0, -inf)`` to the scores before softmax.
-Quantized, that sum's range runs to -inf (upstream replaces it with -65535), so the
-real scores get a 16-bit step of about one and the HTP and the reference disagree on
-how to clamp infinity. We rewrite ``scores + where(c, 0, -inf)`` (and
-``masked_fill(scores, m, -inf)``) into one select ``where(c, scores, MASKED)`` and
-observe its output with :class:`MaskedScoresObserver`, which ignores the masked value
-and places it ``margin`` below the smallest real score: masked positions still get a
-softmax weight below exp(-margin), and real scores keep a fine step.
+T5 masks its relative position bias with ``where(causal, bias, finfo.min)`` and
+adds that to the scores; decomposed attention adds ``where(causal, 0, -inf)`` to
+the scores. Quantized, a tensor holding -inf gets a range down to -inf (upstream
+replaces it with -65535): at 16 bits the real values get a step of about one, and
+the bias is lost. We turn ``where(c, x, -inf)`` into one select ``where(c, x,
+MASKED)`` tagged for :class:`MaskedScoresObserver`, which ranges over the real
+values only and places the masked value ``margin`` below the smallest of them (a
+masked position still gets a softmax weight below exp(-margin)). Opted in, the
+additive form ``scores + where(c, 0, -inf)`` and ``masked_fill(scores, m, -inf)``
+become the same select over the scores.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ aten = torch.ops.aten
 MASKED_META_KEY = "qnn_mutbuf_masked_scores"
 MASKED_VALUE = -6.0e4  # finite in fp16, so upstream leaves it as it is
 MASK_THRESHOLD = -3.0e4  # below any real attention score, above fp16's lowest
-DEFAULT_MARGIN = 10.0
+DEFAULT_MARGIN = 20.0
 
 
 def _constant_value(node: object, graph_module: GraphModule) -> float | None:
@@ -37,6 +39,10 @@ def _constant_value(node: object, graph_module: GraphModule) -> float | None:
         return float(node.args[0])
     if node.op == "call_function" and node.target in (aten.full.default, aten.full_like.default):
         return float(node.args[1])
+    if node.op == "call_function" and node.target in (aten.zeros.default, aten.zeros_like.default):
+        return 0.0
+    if node.op == "call_function" and node.target in (aten.ones.default, aten.ones_like.default):
+        return 1.0
     if node.op == "get_attr":
         value = getattr(graph_module, str(node.target), None)
         if isinstance(value, torch.Tensor) and value.numel() >= 1:
@@ -51,7 +57,17 @@ def _is_masked_value(value: float | None) -> bool:
 
 
 class BoundAttentionMasks(PassBase):
-    """Turns additive -inf masks on attention scores into tagged selects."""
+    """Turns -inf masks on attention scores into tagged selects.
+
+    ``where(c, x, -inf)`` with ``x`` a computed tensor (a masked position bias, as T5
+    builds it) is always rewritten: quantized as it is, its range runs to -inf and
+    ``x`` is lost. Additive masks and ``masked_fill`` are rewritten only with
+    ``additive=True``: their 0 / -inf values quantize exactly as they are.
+    """
+
+    def __init__(self, additive: bool = True) -> None:
+        super().__init__()
+        self.additive = additive
 
     def call(self, graph_module: GraphModule) -> PassResult:
         graph = graph_module.graph
@@ -60,7 +76,11 @@ class BoundAttentionMasks(PassBase):
             if node.op != "call_function":
                 continue
             replacement = None
-            if node.target == aten.add.Tensor:
+            if node.target == aten.where.self and not node.meta.get(MASKED_META_KEY):
+                replacement = self._from_masked_tensor(node, graph_module)
+            elif not self.additive:
+                continue
+            elif node.target == aten.add.Tensor:
                 replacement = self._from_additive(node, graph_module)
             elif node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
                 fill = _constant_value(node.args[2], graph_module)
@@ -103,6 +123,27 @@ class BoundAttentionMasks(PassBase):
                 return condition, self._masked_constant(node), scores
         return None
 
+    def _from_masked_tensor(self, node: Node, graph_module: GraphModule):
+        condition, on_true, on_false = node.args
+        shape = tuple(node.meta["val"].shape) if "val" in node.meta else None
+        for kept, masked in ((on_true, on_false), (on_false, on_true)):
+            masked_value = _constant_value(masked, graph_module)
+            if not (isinstance(kept, Node) and _is_masked_value(masked_value)):
+                continue
+            kept_value = kept.meta.get("val")
+            if (
+                _constant_value(kept, graph_module) is not None
+                or not isinstance(kept_value, torch.Tensor)
+                or not kept_value.is_floating_point()
+                or tuple(kept_value.shape) != shape
+            ):
+                return None
+            constant = self._masked_constant(node)
+            if kept is on_true:
+                return condition, kept, constant
+            return condition, constant, kept
+        return None
+
     @staticmethod
     def _masked_constant(node: Node) -> Node:
         graph = node.graph
@@ -120,7 +161,8 @@ class MaskedScoresObserver(MinMaxObserver):
     """Min-max over the real scores only; the range reaches `margin` below them.
 
     Values at or below MASK_THRESHOLD are masked positions: they clamp to the bottom
-    of the range, which sits `margin` below the smallest real score.
+    of the range, which sits `margin` below the smallest real score, already during
+    calibration.
     """
 
     def __init__(self, *args, margin: float = DEFAULT_MARGIN, **kwargs) -> None:
@@ -130,16 +172,22 @@ class MaskedScoresObserver(MinMaxObserver):
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.numel() == 0:
             return x_orig
-        real = x_orig.detach()
-        real = real[real > MASK_THRESHOLD]
+        masked = x_orig.detach() <= MASK_THRESHOLD
+        real = x_orig.detach()[~masked]
         if real.numel():
             super().forward(real.to(self.min_val.dtype))
-        return x_orig
+        if not bool(masked.any()) or not torch.isfinite(self.min_val):
+            return x_orig
+        # Calibration passes values on unquantized: hand the consumers (the scores
+        # sum, the softmax) the masked value they will see after quantization, so
+        # their observers do not stretch to -inf.
+        floor = (self.min_val - self.margin).to(x_orig.dtype)
+        return torch.where(masked, floor, x_orig)
 
     @torch.jit.export
     def calculate_qparams(self):
         return self._calculate_qparams(self.min_val - self.margin, self.max_val)
 
 
-def bound_attention_masks(graph_module: GraphModule) -> GraphModule:
-    return BoundAttentionMasks()(graph_module).graph_module
+def bound_attention_masks(graph_module: GraphModule, additive: bool = True) -> GraphModule:
+    return BoundAttentionMasks(additive)(graph_module).graph_module

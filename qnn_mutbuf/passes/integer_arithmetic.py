@@ -46,7 +46,7 @@ def _fake(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class DecomposeIntegerArithmetic(PassBase):
     """Rewrites integer remainder / floor division as exact float math plus a cast
-    back, and integer negation (no HTP kernel) as a multiplication by -1."""
+    back, and integer negation (no HTP kernel) as a subtraction from zero."""
 
     def call(self, graph_module: GraphModule) -> PassResult:
         graph = graph_module.graph
@@ -55,8 +55,13 @@ class DecomposeIntegerArithmetic(PassBase):
             if node.op != "call_function" or not _is_integer(node):
                 continue
             if node.target == aten.neg.default:
+                # 0 - x: the HTP's integer subtract is solid, while its integer
+                # multiply by -1 intermittently fails op validation (seen with
+                # QAIRT 2.51), splitting the graph around it.
                 with graph.inserting_before(node):
-                    negated = graph.call_function(aten.mul.Tensor, (node.args[0], -1))
+                    zero = graph.call_function(aten.zeros_like.default, (node.args[0],))
+                    negated = graph.call_function(aten.sub.Tensor, (zero, node.args[0]))
+                zero.meta["val"] = node.meta["val"]
                 negated.meta.update(node.meta)
                 node.replace_all_uses_with(negated)
                 graph.erase_node(node)
@@ -136,14 +141,15 @@ def _integer_derived_float_nodes(graph_module: GraphModule) -> set[Node]:
         elif node.op == "get_attr":
             result = True
         elif node.op == "call_function":
-            inputs = [a for a in node.all_input_nodes]
-            result = all(integer_only(a) for a in inputs) and any(
-                not _is_float(a) or a.meta.get(INTEGER_META_KEY) for a in _leaves(node)
-            )
+            result = all(integer_only(a) for a in node.all_input_nodes)
         else:
             result = False
         derived[node] = result
         return result
+
+    def _reads_an_integer(node: Node) -> bool:
+        """Constants alone make a constant, not a position: require an integer input."""
+        return any(not _is_float(a) or a.meta.get(INTEGER_META_KEY) for a in _leaves(node))
 
     def _leaves(node: Node):
         stack, seen, leaves = [node], set(), []
@@ -165,7 +171,7 @@ def _integer_derived_float_nodes(graph_module: GraphModule) -> set[Node]:
         if not isinstance(node.meta.get("val"), torch.Tensor):
             continue
         for source in node.all_input_nodes:
-            if _is_float(source) and integer_only(source):
+            if _is_float(source) and integer_only(source) and _reads_an_integer(source):
                 found.add(node)  # the cast back to an integer must not observe either
                 stack = [source]
                 while stack:
