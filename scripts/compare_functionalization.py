@@ -91,8 +91,13 @@ def measure(name, make_quantized, model, steps, quant, delegate):
         return {"approach": name, "stage": "quantize", "error": str(error).splitlines()[0][:90]}
     try:
         program = lower(quantized, steps[0], delegate_mutable_buffers=delegate)
-    except (LoweringError, RuntimeError) as error:
-        return {"approach": name, "stage": "lower", "error": str(error).split(". ")[0][:120]}
+    except Exception as error:  # upstream's pass manager raises a bare Exception
+        message = (
+            str(getattr(error, "__cause__", None) or error)
+            if not isinstance(error, LoweringError)
+            else str(error)
+        )
+        return {"approach": name, "stage": "lower", "error": message.split(". ")[0][:120]}
     seconds = time.monotonic() - start
     device = HostRunner(program.buffer).run(steps)
     versus_fp32 = compare_steps("fp32", EagerRunner(model).run(steps), device)

@@ -20,6 +20,18 @@ def ranged(shape, generator) -> torch.Tensor:
     return values
 
 
+class ConvLinearAdd(torch.nn.Module):
+    """No state at all: conv + linear + add, the model every QNN flow must lower."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return self.linear(self.conv(x).mean(dim=(2, 3))) + y
+
+
 class IndexCopyCache(torch.nn.Module):
     """The seed model: k_cache (1, 1024, 12, 64), index_copy_ along dim 1."""
 

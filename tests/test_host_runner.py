@@ -4,22 +4,13 @@ import pytest
 import torch
 from bar import assert_within_steps
 from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
+from models import ConvLinearAdd
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 from qnn_mutbuf import HostRunner, lower
 from qnn_mutbuf.context_binary import build_settings, extract_context_binaries, graph_io
 from qnn_mutbuf.errors import InputError
 from qnn_mutbuf.verify import EagerRunner, compare_steps, output_scales
-
-
-class ConvLinearAdd(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.linear = torch.nn.Linear(8, 8)
-
-    def forward(self, x, y):
-        return self.linear(self.conv(x).mean(dim=(2, 3))) + y
 
 
 def _upstream_quantize(model, steps, dtype):

@@ -6,20 +6,11 @@ import pytest
 import torch
 from bar import assert_identical
 from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
+from models import ConvLinearAdd
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 from qnn_mutbuf import HostRunner, MutableBufferQnnQuantizer, find_mutable_buffers, lower, quantize
 from qnn_mutbuf.errors import UnsupportedMutationError
-
-
-class ConvLinearAdd(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.linear = torch.nn.Linear(8, 8)
-
-    def forward(self, x, y):
-        return self.linear(self.conv(x).mean(dim=(2, 3))) + y
 
 
 def _pt2e(model, quantizer, steps):
