@@ -160,7 +160,7 @@ def format_table(tables: Sequence[ComparisonTable], output: int = 0) -> str:
     """A per-step text table: one column group per reference."""
     header = "step"
     for table in tables:
-        header += f" | max|err| vs {table.reference:<10} | SQNR dB"
+        header += f" | max|err| vs {table.reference:<12} | SQNR dB"
     lines = [header, "-" * len(header)]
     steps = sorted({row.step for table in tables for row in table.rows})
     for step in steps:
@@ -168,10 +168,10 @@ def format_table(tables: Sequence[ComparisonTable], output: int = 0) -> str:
         for table in tables:
             row = next((r for r in table.rows if r.step == step and r.output == output), None)
             if row is None:
-                line += " | " + " " * 25 + " | " + " " * 7
+                line += " | " + " " * 24 + " | " + " " * 7
                 continue
             units = f" ({row.steps_of_encoding:.2f} q)" if row.steps_of_encoding is not None else ""
-            line += f" | {row.max_abs_error:>9.3g}{units:<12}     | {row.sqnr_db:7.1f}"
+            line += f" | {row.max_abs_error:>9.3g}{units:<15} | {row.sqnr_db:7.1f}"
         lines.append(line)
     return "\n".join(lines)
 
