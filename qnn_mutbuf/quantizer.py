@@ -24,6 +24,7 @@ from qnn_mutbuf.annotators.state import (
     share_reader_edges,
 )
 from qnn_mutbuf.passes.attention_mask import bound_attention_masks
+from qnn_mutbuf.passes.compound_ops import spell_out_compound_ops
 from qnn_mutbuf.passes.functionalize import STATE_META_KEY, functionalize_mutable_buffers
 from qnn_mutbuf.passes.gather_tables import pad_narrow_gather_tables
 from qnn_mutbuf.passes.integer_arithmetic import (
@@ -75,6 +76,7 @@ class MutableBufferQnnQuantizer(QnnQuantizer):
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         model = functionalize_mutable_buffers(model)
+        model = spell_out_compound_ops(model)
         model = decompose_integer_arithmetic(model)
         model = pad_narrow_gather_tables(model)
         model = super().transform_for_annotation(model)
