@@ -24,10 +24,6 @@ from itertools import pairwise
 import executorch.backends.qualcomm.python.PyQnnManagerAdaptor as PyQnnManager
 import numpy as np
 import torch
-from executorch.backends.qualcomm.builders.node_visitor_manager import (
-    _node_visitor_dict,
-    register_node_visitor,
-)
 from executorch.backends.qualcomm.builders.qnn_constants import (
     QNN_OP_PACKAGE_NAME_QTI_AISW,
     OpConvert,
@@ -42,6 +38,8 @@ from executorch.backends.qualcomm.utils.constants import (
     QCOM_SCALE,
     QCOM_ZERO_POINT,
 )
+
+from qnn_mutbuf.builders.wrapping import register_wrapped_visitors
 
 NATIVE = PyQnnManager.Qnn_TensorType_t.QNN_TENSOR_TYPE_NATIVE
 FLOAT_32 = PyQnnManager.Qnn_DataType_t.QNN_DATATYPE_FLOAT_32
@@ -140,14 +138,8 @@ def _bounded(upstream: type) -> type:
                 ops.append(convert)
             return ops
 
-    BoundedClamp.__name__ = f"Bounded{upstream.__name__}"
-    BoundedClamp.__qualname__ = BoundedClamp.__name__
     return BoundedClamp
 
 
 def register_bounded_clamp_visitors() -> None:
-    for target in TARGETS:
-        upstream = _node_visitor_dict.get(target)
-        if upstream is None or upstream.__name__.startswith("Bounded"):
-            continue
-        register_node_visitor(_bounded(upstream))
+    register_wrapped_visitors(TARGETS, "Bounded", _bounded)

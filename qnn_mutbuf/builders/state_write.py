@@ -7,13 +7,10 @@ buffer tensor read by the op carries the encoding of the value it writes back.
 
 from __future__ import annotations
 
-from executorch.backends.qualcomm.builders.node_visitor_manager import (
-    _node_visitor_dict,
-    register_node_visitor,
-)
 from executorch.backends.qualcomm.builders.utils import is_mutable_buffer_output
 
 from qnn_mutbuf.builders.state_encoding import give_state_encoding, is_state_tensor
+from qnn_mutbuf.builders.wrapping import register_wrapped_visitors
 
 # Ops that functionalized in-place updates of state turn into.
 STATE_WRITE_TARGETS = (
@@ -40,15 +37,9 @@ def _state_writing(upstream: type) -> type:
                         give_state_encoding(self.get_node(arg), node, self.edge_program)
             return super().define_node(node, nodes_to_wrappers)
 
-    StateWriteVisitor.__name__ = f"StateWrite{upstream.__name__}"
-    StateWriteVisitor.__qualname__ = StateWriteVisitor.__name__
     return StateWriteVisitor
 
 
 def register_state_write_visitors() -> None:
     """Wraps the upstream visitor of each state-writing op, once."""
-    for target in STATE_WRITE_TARGETS:
-        upstream = _node_visitor_dict.get(target)
-        if upstream is None or upstream.__name__.startswith("StateWrite"):
-            continue
-        register_node_visitor(_state_writing(upstream))
+    register_wrapped_visitors(STATE_WRITE_TARGETS, "StateWrite", _state_writing)
