@@ -8,6 +8,7 @@ top level, where ExecuTorch initialises it from the program on every load.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -17,6 +18,7 @@ from executorch.exir.backend.partitioner import PartitionResult
 from qnn_mutbuf.passes.quantized_state import keep_delegated_state_quantized
 
 DELEGATION_TAG = "delegation_tag"
+logger = logging.getLogger(__name__)
 
 
 class MutableBufferQnnPartitioner(QnnPartitioner):
@@ -55,8 +57,42 @@ class MutableBufferQnnPartitioner(QnnPartitioner):
                 # first thing): the QNN graph has no input for it, so the delegate would
                 # have no memory to write it to. It stays at top level.
                 node.meta.pop(DELEGATION_TAG, None)
+        keep_state_with_its_writer(edge_program)
         self.quantized_state_buffers = keep_delegated_state_quantized(edge_program)
         return result
+
+
+def keep_state_with_its_writer(edge_program: torch.export.ExportedProgram) -> None:
+    """A buffer lives in a delegate only if that delegate also computes its new value.
+
+    Upstream tags a buffer with the partition of its readers; when the op that writes
+    it falls back to the CPU, the delegate would own memory that the CPU writes and
+    ExecuTorch rejects the program. Such a buffer stays at top level.
+    """
+    from torch.export.graph_signature import OutputKind
+
+    writers = {
+        spec.target: spec.arg.name
+        for spec in edge_program.graph_signature.output_specs
+        if spec.kind == OutputKind.BUFFER_MUTATION
+    }
+    nodes = {node.name: node for node in edge_program.graph.nodes}
+    inputs_to_buffers = edge_program.graph_signature.inputs_to_buffers
+    for node in edge_program.graph.nodes:
+        buffer = inputs_to_buffers.get(node.name) if node.op == "placeholder" else None
+        tag = node.meta.get(DELEGATION_TAG)
+        if buffer not in writers or tag is None:
+            continue
+        writer = nodes.get(writers[buffer])
+        if writer is not None and writer.meta.get(DELEGATION_TAG) != tag:
+            logger.warning(
+                "Buffer '%s' stays at top level: its new value comes from '%s' (%s), "
+                "which is not in the delegate that reads it.",
+                buffer,
+                writer.name,
+                getattr(writer.target, "__name__", writer.target),
+            )
+            node.meta.pop(DELEGATION_TAG, None)
 
 
 def merge_convex_partitions(graph: torch.fx.Graph) -> list[str]:

@@ -25,6 +25,7 @@ from qnn_mutbuf.annotators.state import (
 )
 from qnn_mutbuf.passes.attention_mask import bound_attention_masks
 from qnn_mutbuf.passes.compound_ops import spell_out_compound_ops
+from qnn_mutbuf.passes.fixed_encoding_writes import requantize_fixed_encoding_writes
 from qnn_mutbuf.passes.functionalize import STATE_META_KEY, functionalize_mutable_buffers
 from qnn_mutbuf.passes.gather_tables import pad_narrow_gather_tables
 from qnn_mutbuf.passes.integer_arithmetic import (
@@ -77,6 +78,7 @@ class MutableBufferQnnQuantizer(QnnQuantizer):
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         model = functionalize_mutable_buffers(model)
         model = spell_out_compound_ops(model)
+        model = requantize_fixed_encoding_writes(model)
         model = decompose_integer_arithmetic(model)
         model = pad_narrow_gather_tables(model)
         model = super().transform_for_annotation(model)

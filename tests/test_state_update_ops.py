@@ -82,6 +82,22 @@ class AlphaSum(torch.nn.Module):
         return self.acc + 0
 
 
+class TanhCell(torch.nn.Module):
+    """An RNN cell, h = tanh(W x + U h): the HTP's 16-bit tanh takes only its own fixed
+    output encoding, so the state stores a requantized copy of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.input = torch.nn.Linear(16, 16)
+        self.recurrent = torch.nn.Linear(16, 16, bias=False)
+        self.register_buffer("h", torch.zeros(1, 16))
+
+    def forward(self, x):
+        self.h.copy_(torch.tanh(self.input(x) + self.recurrent(self.h)))
+        return self.h + 0
+
+
 class PlainClamp(torch.nn.Module):
     """No state: a clamp of an activation whose encoding has 16-bit headroom."""
 
@@ -92,8 +108,9 @@ class PlainClamp(torch.nn.Module):
 # A state that multiplies itself requantizes every step and the HTP rounds a little
 # differently (as in the in-place bar): bounded, not growing. The HTP's 16-bit
 # division is approximate on its own: x / (x + 1) without any state is 11 output
-# steps (5e-5) from fake-quant at 16a8w, 1 step at 8a8w (measured).
-CONTRACTING, DIVISION_16_BIT = 3.0, 12.0
+# steps (5e-5) from fake-quant at 16a8w, 1 step at 8a8w (measured); its tanh is 4
+# output steps from fake-quant without any state (tanh(linear(x)), measured).
+CONTRACTING, DIVISION_16_BIT, TANH_16_BIT = 3.0, 12.0, 8.0
 
 CASES = {
     # name: (model factory, {quant: steps of the state encoding allowed from fake-quant})
@@ -101,6 +118,7 @@ CASES = {
     "lerp": (Lerp, {"8a8w": CONTRACTING, "16a8w": CONTRACTING}),
     "addcmul": (Addcmul, {"8a8w": CONTRACTING, "16a8w": CONTRACTING}),
     "addcdiv": (Addcdiv, {"8a8w": CONTRACTING, "16a8w": DIVISION_16_BIT}),
+    "tanh_cell": (TanhCell, {"8a8w": CONTRACTING, "16a8w": TANH_16_BIT}),
     "alpha_sum": (AlphaSum, {"8a8w": 1.0, "16a8w": 1.0}),
     "plain_clamp": (PlainClamp, {"8a8w": 1.0, "16a8w": 1.0}),
 }
@@ -149,3 +167,42 @@ def test_update_tracks_references(case, quant, host_sdk):
 
     runner.reset()
     assert_identical(device, runner.run(inputs), "after reset")
+
+
+class TensorBoundedWalk(torch.nn.Module):
+    """Clamped by tensor bounds: ``clamp.Tensor`` has no HTP builder, so it runs on
+    the CPU, and the state it writes must stay at top level with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("walk", torch.zeros(1, 16))
+        self.register_buffer("low", torch.full((1, 16), -BOUND))
+        self.register_buffer("high", torch.full((1, 16), BOUND))
+
+    def forward(self, x):
+        self.walk.add_(x).clamp_(self.low, self.high)
+        return self.walk + 0
+
+
+def test_state_written_on_the_cpu_stays_at_top_level(host_sdk):
+    model = TensorBoundedWalk().eval()
+    inputs = steps(STEPS, 3, ClampedWalk.INPUT_SHIFT)
+    quantized = quantize(model, steps(STEPS, 2, ClampedWalk.INPUT_SHIFT), quant="16a8w")
+    (state_scale,) = [e.scale for e in quantized.meta["qnn_mutbuf"].state_encodings.values()]
+
+    program = lower(quantized, inputs[0], delegate_mutable_buffers=True)
+    report = program.qnn_mutbuf_report
+    assert any("clamp.Tensor" in op for op in report.cpu_ops), report.cpu_ops
+    assert "walk" in report.top_level_buffers and "walk" not in report.delegated_buffers
+    device = HostRunner(program.buffer).run(inputs)
+    fake_quant = EagerRunner(quantized).run(inputs)
+    out_scale = max(s for s in output_scales(quantized) if s)
+    # The float state the CPU hands back enters the delegate through the HTP's input
+    # Quantize, which rounds through float16 (measured: values come back on the fp16
+    # grid): half an fp16 spacing near the bound, bounded, not growing over the steps.
+    fp16_rounding = torch.finfo(torch.float16).eps * 0.25 / 2  # |v| in [0.25, 0.5)
+    limit = fp16_rounding + state_scale + out_scale + 1e-6
+    for row in compare_steps("fake-quant", fake_quant, device).rows:
+        assert row.max_abs_error <= limit, row
+    walk = torch.stack([outputs[0] for outputs in device])
+    assert walk.abs().max() <= BOUND + limit

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch.fx import GraphModule, Node
+from torchao.quantization.pt2e.quantizer import SharedQuantizationSpec
 from torchao.quantization.pt2e.quantizer.quantizer import Q_ANNOTATION_KEY
 
 from qnn_mutbuf.annotators.state import (
@@ -21,6 +22,7 @@ from qnn_mutbuf.annotators.state import (
     output_spec,
     state_info,
 )
+from qnn_mutbuf.passes.fixed_encoding_writes import REQUANTIZE_META_KEY
 
 aten = torch.ops.aten
 
@@ -96,7 +98,9 @@ def _annotate_write(node: Node, encoding: StateEncoding, config: object) -> None
         if not is_float_value(arg):
             continue
         arg_encoding = encoding_of(arg)
-        if arg_encoding is not None:
+        if node.meta.get(REQUANTIZE_META_KEY) and arg is node.args[0]:
+            inputs[arg] = SharedQuantizationSpec(arg)  # the op's own (fixed) encoding
+        elif arg_encoding is not None:
             inputs[arg] = arg_encoding.shared
         elif moves_data:
             inputs[arg] = encoding.shared
