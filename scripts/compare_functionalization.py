@@ -88,7 +88,12 @@ def measure(name, make_quantized, model, steps, quant, delegate):
     try:
         quantized = make_quantized()
     except Exception as error:  # the approach itself fails on this case
-        return {"approach": name, "stage": "quantize", "error": str(error).splitlines()[0][:90]}
+        return {
+            "approach": name,
+            "delegated": delegate,
+            "stage": "quantize",
+            "error": str(error).splitlines()[0][:90],
+        }
     try:
         program = lower(quantized, steps[0], delegate_mutable_buffers=delegate)
     except Exception as error:  # upstream's pass manager raises a bare Exception
@@ -97,7 +102,12 @@ def measure(name, make_quantized, model, steps, quant, delegate):
             if not isinstance(error, LoweringError)
             else str(error)
         )
-        return {"approach": name, "stage": "lower", "error": message.split(". ")[0][:120]}
+        return {
+            "approach": name,
+            "delegated": delegate,
+            "stage": "lower",
+            "error": message.split(". ")[0][:120],
+        }
     seconds = time.monotonic() - start
     device = HostRunner(program.buffer).run(steps)
     versus_fp32 = compare_steps("fp32", EagerRunner(model).run(steps), device)
@@ -154,13 +164,13 @@ def main() -> int:
         for result in results:
             if result is None:
                 continue
+            where = "delegated" if result["delegated"] else "top level"
             if "error" in result:
                 print(
-                    f"| {case} | {result['approach']} | delegated | {result['stage']} fails: "
+                    f"| {case} | {result['approach']} | {where} | {result['stage']} fails: "
                     f"{result['error']} | | | | |"
                 )
                 continue
-            where = "delegated" if result["delegated"] else "top level"
             print(
                 f"| {case} | {result['approach']} | {where} | {result['seconds']:.1f} | "
                 f"{result['pte_bytes']} | {result['worst_err_fp32']:.3g} | "
