@@ -296,6 +296,7 @@ def lower(
 
 
 def _as_graph_module(model: torch.nn.Module, inputs: tuple, fp16: bool) -> GraphModule:
+    from qnn_mutbuf.passes.compound_ops import spell_out_compound_ops
     from qnn_mutbuf.passes.functionalize import functionalize_mutable_buffers
     from qnn_mutbuf.passes.integer_arithmetic import decompose_integer_arithmetic
 
@@ -317,7 +318,8 @@ def _as_graph_module(model: torch.nn.Module, inputs: tuple, fp16: bool) -> Graph
         )
     if not isinstance(model, GraphModule):
         model = export_for_quantization(model.eval(), inputs)
-    return decompose_integer_arithmetic(functionalize_mutable_buffers(model))
+    model = spell_out_compound_ops(functionalize_mutable_buffers(model))
+    return decompose_integer_arithmetic(model)
 
 
 def lower_graph_module(

@@ -206,3 +206,15 @@ def test_state_written_on_the_cpu_stays_at_top_level(host_sdk):
         assert row.max_abs_error <= limit, row
     walk = torch.stack([outputs[0] for outputs in device])
     assert walk.abs().max() <= BOUND + limit
+
+
+@pytest.mark.parametrize("case", ["lerp", "addcmul", "addcdiv"])
+def test_compound_updates_in_fp16(case, host_sdk):
+    """fp16 lowering spells the compound ops out as well (else: no context binary)."""
+    make_model, _ = CASES[case]
+    inputs = steps(STEPS, 3)
+    program = lower(make_model().eval(), inputs[0], fp16=True)
+    assert program.qnn_mutbuf_report.cpu_ops == [], program.qnn_mutbuf_report.cpu_ops
+    device = HostRunner(program.buffer).run(inputs)
+    fp32 = EagerRunner(make_model().eval()).run(inputs)
+    assert compare_steps("fp32", fp32, device).min_sqnr() >= 60.0
