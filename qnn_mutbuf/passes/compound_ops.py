@@ -19,6 +19,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from qnn_mutbuf.passes.functionalize import STATE_META_KEY
+from qnn_mutbuf.passes.graph_edit import edited
 
 aten = torch.ops.aten
 
@@ -93,10 +94,7 @@ class SpellOutCompoundOps(PassBase):
             node.replace_all_uses_with(result)
             graph.erase_node(node)
             changed = True
-        if changed:
-            graph.lint()
-            graph_module.recompile()
-        return PassResult(graph_module, changed)
+        return edited(graph_module, changed)
 
     @staticmethod
     def _emitter(node: Node):

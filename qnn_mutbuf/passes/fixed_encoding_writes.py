@@ -16,6 +16,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from qnn_mutbuf.passes.functionalize import STATE_META_KEY
+from qnn_mutbuf.passes.graph_edit import edited
 
 aten = torch.ops.aten
 
@@ -54,10 +55,7 @@ class RequantizeFixedEncodingWrites(PassBase):
             for user in [user for user in node.users if user is not stored]:
                 user.replace_input_with(node, stored)
             changed = True
-        if changed:
-            graph.lint()
-            graph_module.recompile()
-        return PassResult(graph_module, changed)
+        return edited(graph_module, changed)
 
 
 def requantize_fixed_encoding_writes(graph_module: GraphModule) -> GraphModule:

@@ -14,6 +14,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from qnn_mutbuf.passes.graph_edit import edited
+
 aten = torch.ops.aten
 INTEGER_META_KEY = "qnn_mutbuf_integer_arithmetic"
 
@@ -109,10 +111,7 @@ class DecomposeIntegerArithmetic(PassBase):
             node.replace_all_uses_with(back)
             graph.erase_node(node)
             changed = True
-        if changed:
-            graph.lint()
-            graph_module.recompile()
-        return PassResult(graph_module, changed)
+        return edited(graph_module, changed)
 
 
 def decompose_integer_arithmetic(graph_module: GraphModule) -> GraphModule:
