@@ -16,40 +16,19 @@ import os
 import re
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from qnn_mutbuf.context_binary import ContextBinary, extract_context_binaries
+from qnn_mutbuf.context_binary import GraphTensor, extract_context_binaries, graph_io
 from qnn_mutbuf.errors import AiHubError
-from qnn_mutbuf.passes.initial_state import STARTED_BUFFER
 from qnn_mutbuf.program_io import check_step_inputs, load_pte_bytes, read_program_io
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DEVICE = "Samsung Galaxy S24 (Family)"  # Snapdragon 8 Gen 3, SM8650
-_MUTBUF = re.compile(r"mutbuf_(\d+)_")
 _BUILD_ID = re.compile(rb"v(\d+)\.(\d+)\.(\d+)\.\d{6,}")
-
-_NUMPY_DTYPES = {
-    "FLOAT_32": np.float32,
-    "FLOAT_16": np.float16,
-    "INT_64": np.int64,
-    "INT_32": np.int32,
-    "INT_16": np.int16,
-    "INT_8": np.int8,
-    "UINT_32": np.uint32,
-    "UINT_16": np.uint16,
-    "UINT_8": np.uint8,
-    "BOOL_8": np.bool_,
-    "UFIXED_POINT_8": np.uint8,
-    "UFIXED_POINT_16": np.uint16,
-    "SFIXED_POINT_8": np.int8,
-    "SFIXED_POINT_16": np.int16,
-    "SFIXED_POINT_32": np.int32,
-}
 
 
 def aihub_configuration() -> str:
@@ -82,79 +61,6 @@ def _default_client():
     return qai_hub
 
 
-@dataclass(frozen=True)
-class HubTensor:
-    """One graph input or output as AI Hub sees it, with its QNN encoding."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    scale: float | None = None
-    offset: int | None = None
-
-    @property
-    def numpy_dtype(self):
-        return _NUMPY_DTYPES[self.dtype]
-
-    @property
-    def quantized(self) -> bool:
-        return "FIXED_POINT" in self.dtype and self.scale is not None
-
-    @property
-    def mutbuf(self) -> int | None:
-        match = _MUTBUF.search(self.name)
-        return int(match.group(1)) if match else None
-
-    @property
-    def is_loaded_flag(self) -> bool:
-        return STARTED_BUFFER in self.name
-
-
-def read_hub_io(context: ContextBinary) -> tuple[list[HubTensor], list[HubTensor]]:
-    """The context binary's graph I/O in the binary's own order (the order AI Hub
-    expects inputs in), with per-tensor encodings, read through QNN on the host."""
-    import executorch.backends.qualcomm.python.PyQnnManagerAdaptor as adaptor
-    from executorch.backends.qualcomm.partition.utils import generate_qnn_executorch_option
-
-    from qnn_mutbuf.context_binary import build_settings
-    from qnn_mutbuf.sdk import activate_host_sdk
-    from qnn_mutbuf.sdk.device import htp_compile_spec
-
-    activate_host_sdk()
-    soc = build_settings(context.binary).get("soc_type", "SM8650")
-    specs = htp_compile_spec(soc, from_context_binary=True)
-    option = generate_qnn_executorch_option(specs)
-    wrapped = bytes(adaptor.QnnManager(option).MakeBinaryInfo(context.binary))
-    manager = adaptor.QnnManager(option, wrapped)
-    try:
-        if manager.Init() != adaptor.Error.Ok:
-            raise AiHubError("QNN could not open the program's context binary on this host.")
-        graph = manager.GetGraphNames()[0]
-        manager.AllocateTensor(graph)
-
-        def describe(tensors) -> list[HubTensor]:
-            described = []
-            for tensor in tensors:
-                encodings = list(tensor.GetEncodings().data)
-                scale, offset = (
-                    (float(encodings[0][0]), int(encodings[0][1])) if encodings else (None, None)
-                )
-                described.append(
-                    HubTensor(
-                        tensor.GetName(),
-                        str(tensor.GetDataType()).rsplit(".", 1)[-1].removeprefix("QNN_DATATYPE_"),
-                        tuple(int(d) for d in tensor.GetDims()),
-                        scale,
-                        offset,
-                    )
-                )
-            return described
-
-        return describe(manager.GetGraphInputs(graph)), describe(manager.GetGraphOutputs(graph))
-    finally:
-        manager.Destroy()
-
-
 def qairt_version_of(binary: bytes) -> str:
     """``major.minor`` of the QAIRT that compiled a context binary, e.g. "2.51"."""
     match = _BUILD_ID.search(binary)
@@ -163,7 +69,7 @@ def qairt_version_of(binary: bytes) -> str:
     return f"{int(match.group(1))}.{int(match.group(2))}"
 
 
-def _sort_key(tensor: HubTensor) -> int:
+def _sort_key(tensor: GraphTensor) -> int:
     match = re.match(r"(?:input|output)_(\d+)_", tensor.name)
     return int(match.group(1)) if match else 10**6
 
@@ -206,7 +112,7 @@ class AiHubRunner:
         self.context = contexts[0]
         self.client = client if client is not None else _default_client()
         self.qairt_version = qairt_version_of(self.context.binary)
-        self.inputs, self.outputs = read_hub_io(self.context)
+        self.inputs, self.outputs = graph_io(self.context)
         self._classify()
         if chipset:
             self.device = self.client.Device(attributes=[f"chipset:{chipset}"])
@@ -262,7 +168,7 @@ class AiHubRunner:
             self.model = self.client.upload_model(str(path))
 
     @staticmethod
-    def _to_graph(tensor: torch.Tensor, spec: HubTensor) -> np.ndarray:
+    def _to_graph(tensor: torch.Tensor, spec: GraphTensor) -> np.ndarray:
         array = tensor.detach().cpu().numpy()
         if spec.quantized:
             quantized = np.round(array.astype(np.float64) / spec.scale) - spec.offset
@@ -271,7 +177,7 @@ class AiHubRunner:
         return np.ascontiguousarray(array.astype(spec.numpy_dtype).reshape(spec.shape))
 
     @staticmethod
-    def _from_graph(array: np.ndarray, spec: HubTensor, dtype: torch.dtype) -> torch.Tensor:
+    def _from_graph(array: np.ndarray, spec: GraphTensor, dtype: torch.dtype) -> torch.Tensor:
         array = np.asarray(array).reshape(spec.shape)
         if spec.quantized:
             array = (array.astype(np.float64) + spec.offset) * spec.scale
