@@ -15,7 +15,7 @@ from torchao.quantization.pt2e.quantizer import (
 )
 from torchao.quantization.pt2e.quantizer.quantizer import Q_ANNOTATION_KEY
 
-from qnn_mutbuf.annotators.state import is_float_value
+from qnn_mutbuf.annotators.state import is_float_value, observer_keywords
 from qnn_mutbuf.passes.attention_mask import MASKED_META_KEY, MaskedScoresObserver
 
 
@@ -27,10 +27,7 @@ def annotate_masked_scores(graph_module: GraphModule, quantization_config_for) -
         activation = getattr(config, "output_activation", None)
         if activation is None:
             continue
-        keywords = {}
-        partial = getattr(activation.observer_or_fake_quant_ctr, "p", None)
-        if partial is not None and "eps" in partial.keywords:
-            keywords["eps"] = partial.keywords["eps"]
+        keywords = observer_keywords(activation)
         masked_spec = QuantizationSpec(
             dtype=activation.dtype,
             quant_min=activation.quant_min,

@@ -86,13 +86,17 @@ def state_info(node: Node) -> dict | None:
     return node.meta.get(STATE_META_KEY)
 
 
+def observer_keywords(activation: QuantizationSpec) -> dict:
+    """Settings of the config's observer that a replacement observer keeps (``eps``)."""
+    partial = getattr(activation.observer_or_fake_quant_ctr, "p", None)
+    if partial is not None and "eps" in partial.keywords:
+        return {"eps": partial.keywords["eps"]}
+    return {}
+
+
 def state_qspec(activation: QuantizationSpec) -> QuantizationSpec:
     """The activation spec of the config, observed by a min-max observer."""
-    keywords = {}
-    constructor = activation.observer_or_fake_quant_ctr
-    partial = getattr(constructor, "p", None)
-    if partial is not None and "eps" in partial.keywords:
-        keywords["eps"] = partial.keywords["eps"]
+    keywords = observer_keywords(activation)
     observer = MinMaxObserver
     if is_16bit(activation.dtype, activation.quant_min, activation.quant_max):
         # Clipped state is wrong at every later step; 16 bits leave room for headroom.
