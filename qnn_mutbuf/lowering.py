@@ -296,9 +296,7 @@ def lower(
 
 
 def _as_graph_module(model: torch.nn.Module, inputs: tuple, fp16: bool) -> GraphModule:
-    from qnn_mutbuf.passes.compound_ops import spell_out_compound_ops
-    from qnn_mutbuf.passes.functionalize import functionalize_mutable_buffers
-    from qnn_mutbuf.passes.integer_arithmetic import decompose_integer_arithmetic
+    from qnn_mutbuf.passes.state_graph import functional_state_graph
 
     quantized = isinstance(model, GraphModule) and any(
         node.op == "call_function" and "quantize_per" in str(node.target)
@@ -318,8 +316,7 @@ def _as_graph_module(model: torch.nn.Module, inputs: tuple, fp16: bool) -> Graph
         )
     if not isinstance(model, GraphModule):
         model = export_for_quantization(model.eval(), inputs)
-    model = spell_out_compound_ops(functionalize_mutable_buffers(model))
-    return decompose_integer_arithmetic(model)
+    return functional_state_graph(model)
 
 
 def lower_graph_module(

@@ -24,14 +24,11 @@ from qnn_mutbuf.annotators.state import (
     share_reader_edges,
 )
 from qnn_mutbuf.passes.attention_mask import bound_attention_masks
-from qnn_mutbuf.passes.compound_ops import spell_out_compound_ops
 from qnn_mutbuf.passes.fixed_encoding_writes import requantize_fixed_encoding_writes
-from qnn_mutbuf.passes.functionalize import STATE_META_KEY, functionalize_mutable_buffers
+from qnn_mutbuf.passes.functionalize import STATE_META_KEY
 from qnn_mutbuf.passes.gather_tables import pad_narrow_gather_tables
-from qnn_mutbuf.passes.integer_arithmetic import (
-    decompose_integer_arithmetic,
-    integer_arithmetic_nodes,
-)
+from qnn_mutbuf.passes.integer_arithmetic import integer_arithmetic_nodes
+from qnn_mutbuf.passes.state_graph import functional_state_graph
 from qnn_mutbuf.sdk.activation import activate_for_quantization
 
 
@@ -76,10 +73,8 @@ class MutableBufferQnnQuantizer(QnnQuantizer):
         return super()._get_quant_config(node)
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
-        model = functionalize_mutable_buffers(model)
-        model = spell_out_compound_ops(model)
+        model = functional_state_graph(model)
         model = requantize_fixed_encoding_writes(model)
-        model = decompose_integer_arithmetic(model)
         model = pad_narrow_gather_tables(model)
         model = super().transform_for_annotation(model)
         model = bound_attention_masks(model, additive=self.bound_attention_masks)
