@@ -212,6 +212,12 @@ def summarize_outputs(outputs: list[list[torch.Tensor]]) -> str:
 def run(args: argparse.Namespace) -> int:
     steps = load_steps(args.inputs, args.steps)
     sidecar = read_sidecar(args.pte)
+    if args.plot and not args.reference:
+        raise InputError("--plot needs --reference: there is nothing to plot without one.")
+    if args.plot:
+        from qnn_mutbuf.plot import pyplot
+
+        pyplot()  # before any step runs: a missing matplotlib is one message, not a late one
     if args.reference and sidecar is None:
         raise InputError(
             f"--reference needs {args.pte.with_suffix('.json')} (written by `qnn-mutbuf export`) "
@@ -248,22 +254,14 @@ def run(args: argparse.Namespace) -> int:
         }
         if getattr(runner, "profile", None):
             report["profile"] = runner.profile
-        write_atomically(args.report, json.dumps(report, indent=2, default=_json_default) + "\n")
+        write_atomically(args.report, json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {args.report}")
     if args.plot:
-        if not tables:
-            raise InputError("--plot needs --reference: there is nothing to plot without one.")
         from qnn_mutbuf.plot import plot_sqnr
 
         plot_sqnr(tables, args.plot, title=f"{args.pte.name} on {args.target}")
         print(f"wrote {args.plot}")
     return 0
-
-
-def _json_default(value: object) -> object:
-    if isinstance(value, float):
-        return str(value)
-    return str(value)
 
 
 def demo(args: argparse.Namespace) -> int:

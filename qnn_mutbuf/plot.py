@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from qnn_mutbuf.artifacts import write_atomically
 from qnn_mutbuf.errors import InputError
 from qnn_mutbuf.verify import ComparisonTable
 
 CAP_DB = 150.0  # identical outputs have infinite SQNR; draw them at the cap
 
 
-def plot_sqnr(tables: Sequence[ComparisonTable], path: Path, title: str = "") -> Path:
+def pyplot():
+    """matplotlib's pyplot on a file backend, or one message saying how to get it."""
     try:
         import matplotlib
 
@@ -20,6 +23,11 @@ def plot_sqnr(tables: Sequence[ComparisonTable], path: Path, title: str = "") ->
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise InputError("--plot needs matplotlib: pip install 'qnn-mutbuf[plot]'") from error
+    return plt
+
+
+def plot_sqnr(tables: Sequence[ComparisonTable], path: Path, title: str = "") -> Path:
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 4))
     for table in tables:
         outputs = sorted({row.output for row in table.rows})
@@ -34,8 +42,7 @@ def plot_sqnr(tables: Sequence[ComparisonTable], path: Path, title: str = "") ->
     axis.grid(True, alpha=0.3)
     axis.legend()
     figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=120)
     plt.close(figure)
-    return path
+    return write_atomically(path, image.getvalue())

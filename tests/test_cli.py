@@ -114,3 +114,10 @@ def test_run_errors_are_one_line_each(exported, tmp_path):
     result = cli("export", SMALL, "-o", str(tmp_path / "x.pte"), "--soc", "SM0000", check=False)
     assert result.returncode == 1 and "Unknown SoC 'SM0000'" in result.stderr
     assert not (tmp_path / "x.pte").exists()
+    report = tmp_path / "report.json"
+    steps = str(folder / "steps.pt")
+    arguments = ("run", "host", str(pte), "--inputs", steps, "--report", str(report))
+    result = cli(*arguments, "--plot", str(tmp_path / "e.png"), check=False)
+    assert result.returncode == 1 and "--plot needs --reference" in result.stderr
+    assert "step   0" not in result.stdout, "the steps ran before the bad option was refused"
+    assert not report.exists() and not (tmp_path / "e.png").exists()
