@@ -63,6 +63,16 @@ def build_settings(binary: bytes) -> dict[str, str]:
     return settings
 
 
+def compiled_soc(pte: str | os.PathLike | bytes, default: str = "SM8650") -> str:
+    """The SoC the program's (first) QNN delegate was compiled for; `default` when
+    the program has no delegate."""
+    try:
+        (context, *_) = extract_context_binaries(pte)
+    except InputError:
+        return default
+    return build_settings(context.binary).get("soc_type", default)
+
+
 # QNN data types as numpy stores them (fixed point: the integer codes).
 NUMPY_DTYPES = {
     "FLOAT_32": np.float32,

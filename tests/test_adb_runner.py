@@ -136,6 +136,18 @@ def test_setup_errors_name_what_is_missing(program, phone, monkeypatch, tmp_path
         AdbRunner(data, build_folder=phone["build"], qnn_sdk_root=phone["sdk"])
 
 
+def test_libraries_follow_the_soc_the_program_was_compiled_for(phone):
+    from qnn_mutbuf import lower, quantize
+    from qnn_mutbuf.seed_models import small
+
+    module, calibration, example = small()
+    quantized = quantize(module, calibration, quant="8a8w")
+    sm8550 = lower(quantized, example, soc="SM8550").buffer  # HTP v73
+    # The fake SDK holds the v75 libraries only, so the runner names the v73 one.
+    with pytest.raises(DeviceError, match="Missing libQnnHtpV73Stub.so for SM8550"):
+        AdbRunner(sm8550, build_folder=phone["build"], qnn_sdk_root=phone["sdk"])
+
+
 def test_cli_run_adb(program, phone, tmp_path):
     data, steps = program
     pte = tmp_path / "model.pte"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from qnn_mutbuf.context_binary import compiled_soc
 from qnn_mutbuf.errors import DeviceError
 from qnn_mutbuf.program_io import check_step_inputs, load_pte_bytes, read_program_io
 from qnn_mutbuf.soc import htp_arch
@@ -134,7 +135,8 @@ class AdbRunner:
         host: adb server host (``-H``).
         build_folder: ExecuTorch Android build with qnn_executor_runner.
         qnn_sdk_root: QAIRT SDK with the target libraries (default: QNN_SDK_ROOT).
-        soc: selects the HTP stub/skel libraries (``V75`` for SM8650).
+        soc: selects the HTP stub/skel libraries (``V75`` for SM8650); by default the
+            SoC the program's context binary was compiled for.
     """
 
     def __init__(
@@ -145,7 +147,7 @@ class AdbRunner:
         host: str | None = None,
         build_folder: str | os.PathLike | None = None,
         qnn_sdk_root: str | os.PathLike | None = None,
-        soc: str = "SM8650",
+        soc: str | None = None,
         adb: str | None = None,
         device_root: str = DEVICE_ROOT,
         timeout: float = 1800.0,
@@ -168,10 +170,12 @@ class AdbRunner:
                 f"{RUNNER_NAME} and libqnn_executorch_backend.so."
             )
         sdk_root = Path(qnn_sdk_root) if qnn_sdk_root else _target_sdk_root()
+        soc = soc or compiled_soc(self._data)
         if sdk_root is None:
             raise DeviceError(
                 "QNN_SDK_ROOT is not set: the phone needs the QAIRT target libraries "
-                "(lib/aarch64-android, lib/hexagon-v75). Point QNN_SDK_ROOT at a QAIRT SDK."
+                f"(lib/aarch64-android, lib/hexagon-v{htp_arch(soc)}). Point QNN_SDK_ROOT at a "
+                "QAIRT SDK."
             )
         self.files = required_files(Path(build_folder), sdk_root, soc)
         self.last_log = ""
