@@ -287,20 +287,15 @@ class AdbRunner:
         program = scratch / "program.pte"
         program.write_bytes(self._data)
         self._adb("push", str(program), f"{work}/program.pte")
-        lines = []
-        for step, inputs in enumerate(steps):
-            names = []
-            for index, tensor in enumerate(inputs):
-                name = f"input_{step}_{index}.raw"
-                tensor.contiguous().numpy().tofile(scratch / name)
-                names.append(name)
-            lines.append(" ".join(names))
-        (scratch / "input_list.txt").write_text("\n".join(lines) + "\n")
         inputs_dir = scratch / "inputs"
         inputs_dir.mkdir()
-        for path in scratch.glob("input_*.raw"):
-            shutil.move(str(path), inputs_dir / path.name)
-        shutil.move(str(scratch / "input_list.txt"), inputs_dir / "input_list.txt")
+        lines = []
+        for step, inputs in enumerate(steps):
+            names = [f"input_{step}_{index}.raw" for index in range(len(inputs))]
+            for name, tensor in zip(names, inputs, strict=True):
+                tensor.contiguous().numpy().tofile(inputs_dir / name)
+            lines.append(" ".join(names))
+        (inputs_dir / "input_list.txt").write_text("\n".join(lines) + "\n")
         self._adb("push", f"{inputs_dir}/.", work)
 
     def _execute(self, work: str, steps: int) -> None:
