@@ -21,6 +21,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torchao.quantization.pt2e import MinMaxObserver
 
+from qnn_mutbuf.passes.graph_edit import edited
+
 aten = torch.ops.aten
 
 MASKED_META_KEY = "qnn_mutbuf_masked_scores"
@@ -98,9 +100,7 @@ class BoundAttentionMasks(PassBase):
             changed = True
         if changed:
             graph.eliminate_dead_code()
-            graph.lint()
-            graph_module.recompile()
-        return PassResult(graph_module, changed)
+        return edited(graph_module, changed)
 
     def _from_additive(self, node: Node, graph_module: GraphModule):
         for mask_index in (1, 0):

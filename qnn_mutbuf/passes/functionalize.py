@@ -31,6 +31,7 @@ from qnn_mutbuf.detect import (
     written_argument_index,
 )
 from qnn_mutbuf.errors import UnsupportedMutationError
+from qnn_mutbuf.passes.graph_edit import fake_like
 
 aten = torch.ops.aten
 
@@ -276,12 +277,12 @@ class FunctionalizeMutableBuffers(PassBase):
             value = self._copy_call(
                 node, (value, list(target_val.shape)), {}, node, aten.expand.default
             )
-            value.meta["val"] = _fake(target_val, dtype=source_val.dtype)
+            value.meta["val"] = fake_like(target_val, dtype=source_val.dtype)
         if source_val.dtype != target_val.dtype:
             value = self._copy_call(
                 node, (value,), {"dtype": target_val.dtype}, node, aten._to_copy.default
             )
-            value.meta["val"] = _fake(target_val)
+            value.meta["val"] = fake_like(target_val)
         return value
 
     def _scatter(self, view: Node, base: Node, source: Node, node: Node, buffer: str) -> Node:
@@ -328,14 +329,6 @@ class FunctionalizeMutableBuffers(PassBase):
             f"'{view.name}' ({kind}), which qnn_mutbuf cannot write back. Write the buffer "
             "with index_copy_/index_put_ or through slicing/select instead."
         )
-
-
-def _fake(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    mode = getattr(like, "fake_mode", None)
-    if mode is None:
-        return torch.empty(like.shape, dtype=dtype or like.dtype, device="meta")
-    with mode:
-        return torch.empty(like.shape, dtype=dtype or like.dtype)
 
 
 def functionalize_mutable_buffers(graph_module: GraphModule) -> GraphModule:

@@ -1,7 +1,11 @@
-"""What every graph-editing pass does once it has edited: check and regenerate."""
+"""Small pieces every graph-editing pass needs: fake values for new nodes, and the
+check-and-regenerate once it has edited."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
@@ -12,3 +16,17 @@ def edited(graph_module: GraphModule, changed: bool) -> PassResult:
         graph_module.graph.lint()
         graph_module.recompile()
     return PassResult(graph_module, changed)
+
+
+def fake_like(
+    like: torch.Tensor, *, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A ``val`` for a new node: `like`'s fake mode (or meta device), shape and dtype,
+    either of which can be replaced."""
+    shape = tuple(like.shape) if shape is None else tuple(shape)
+    dtype = like.dtype if dtype is None else dtype
+    mode = getattr(like, "fake_mode", None)
+    if mode is None:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    with mode:
+        return torch.empty(shape, dtype=dtype)

@@ -14,7 +14,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from qnn_mutbuf.passes.graph_edit import edited
+from qnn_mutbuf.passes.graph_edit import edited, fake_like
 
 aten = torch.ops.aten
 INTEGER_META_KEY = "qnn_mutbuf_integer_arithmetic"
@@ -36,14 +36,6 @@ def _is_floor_division(node: Node) -> bool:
     if node.target in _FLOOR_DIVIDE:
         return True
     return node.target == aten.div.Tensor_mode and node.kwargs.get("rounding_mode") == "floor"
-
-
-def _fake(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    mode = getattr(like, "fake_mode", None)
-    if mode is None:
-        return torch.empty(like.shape, dtype=dtype, device="meta")
-    with mode:
-        return torch.empty(like.shape, dtype=dtype)
 
 
 class DecomposeIntegerArithmetic(PassBase):
@@ -89,7 +81,7 @@ class DecomposeIntegerArithmetic(PassBase):
                 for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node"):
                     if key in node.meta:
                         new.meta[key] = node.meta[key]
-                new.meta["val"] = _fake(value, out_dtype)
+                new.meta["val"] = fake_like(value, dtype=out_dtype)
                 new.meta[INTEGER_META_KEY] = True
                 created.append(new)
                 return new

@@ -15,16 +15,9 @@ from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from qnn_mutbuf.detect import buffer_nodes, find_mutable_buffers
+from qnn_mutbuf.passes.graph_edit import fake_like
 
 aten = torch.ops.aten
-
-
-def _fake(like, shape):
-    mode = getattr(like, "fake_mode", None)
-    if mode is None:
-        return torch.empty(shape, dtype=like.dtype, device="meta")
-    with mode:
-        return torch.empty(shape, dtype=like.dtype)
 
 
 class PromoteScalarBuffers(PassBase):
@@ -47,7 +40,7 @@ class PromoteScalarBuffers(PassBase):
             owner.register_buffer(attribute, value.detach().reshape(1).clone())
             scalar_val = read.meta.get("val")
             if scalar_val is not None:
-                read.meta["val"] = _fake(scalar_val, (1,))
+                read.meta["val"] = fake_like(scalar_val, shape=(1,))
             write_back = writers[-1]
             users = [u for u in read.users if u is not write_back]
             with graph.inserting_after(read):
@@ -59,7 +52,7 @@ class PromoteScalarBuffers(PassBase):
             with graph.inserting_before(write_back):
                 as_vector = graph.call_function(aten.view.default, (written, [1]))
             if isinstance(written, torch.fx.Node) and written.meta.get("val") is not None:
-                as_vector.meta["val"] = _fake(written.meta["val"], (1,))
+                as_vector.meta["val"] = fake_like(written.meta["val"], shape=(1,))
             write_back.args = (read, as_vector)
             self.promoted.append(name)
         if self.promoted:
