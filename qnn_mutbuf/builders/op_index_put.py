@@ -23,10 +23,6 @@ from executorch.backends.qualcomm.builders.node_visitor import (
     QNN_QUANT_TYPE_MAP,
     QNN_TENSOR_TYPE_MAP,
 )
-from executorch.backends.qualcomm.builders.node_visitor_manager import (
-    _node_visitor_dict,
-    register_node_visitor,
-)
 from executorch.backends.qualcomm.builders.qnn_constants import (
     QNN_OP_PACKAGE_NAME_QTI_AISW,
     OpConcat,
@@ -43,6 +39,7 @@ from executorch.backends.qualcomm.utils.constants import (
 from executorch.exir.dialects._ops import ops as exir_ops
 
 from qnn_mutbuf.builders.state_encoding import give_state_encoding, is_state_tensor
+from qnn_mutbuf.builders.wrapping import register_wrapped_visitors
 from qnn_mutbuf.errors import LoweringError
 
 NATIVE = PyQnnManager.Qnn_TensorType_t.QNN_TENSOR_TYPE_NATIVE
@@ -67,33 +64,31 @@ def needs_own_builder(node: torch.fx.Node, edge_program) -> bool:
     return not adjacent or is_state_tensor(node.args[0], edge_program)
 
 
-# Upstream's decorator returns None, so its class is only reachable in the registry.
-_UpstreamIndexPutVisitor = _node_visitor_dict["aten.index_put.default"]
-if _UpstreamIndexPutVisitor.__name__ == "StateIndexPutVisitor":  # re-imported module
-    _UpstreamIndexPutVisitor = _UpstreamIndexPutVisitor.__mro__[1]
+def _state_index_put(upstream: type) -> type:
+    class StateIndexPut(upstream):
+        target = list(upstream.target)
+
+        def define_node(
+            self,
+            node: torch.fx.Node,
+            nodes_to_wrappers: dict[torch.fx.Node, PyQnnManager.TensorWrapper],
+        ):
+            if not needs_own_builder(node, self.edge_program):
+                return super().define_node(node, nodes_to_wrappers)
+            data_node = self.get_node(node.args[0])
+            give_state_encoding(data_node, node, self.edge_program)
+            if QCOM_AXIS_ORDER in node.meta or QCOM_AXIS_ORDER in data_node.meta:
+                raise LoweringError(
+                    f"index_put node '{node.name}' writes a tensor whose layout the QNN layout "
+                    "pass changed; qnn_mutbuf cannot build that scatter."
+                )
+            return _ScatterBuilder(self, node, data_node, nodes_to_wrappers).build()
+
+    return StateIndexPut
 
 
-class StateIndexPutVisitor(_UpstreamIndexPutVisitor):
-    target = ["aten.index_put.default"]
-
-    def define_node(
-        self,
-        node: torch.fx.Node,
-        nodes_to_wrappers: dict[torch.fx.Node, PyQnnManager.TensorWrapper],
-    ):
-        if not needs_own_builder(node, self.edge_program):
-            return super().define_node(node, nodes_to_wrappers)
-        data_node = self.get_node(node.args[0])
-        give_state_encoding(data_node, node, self.edge_program)
-        if QCOM_AXIS_ORDER in node.meta or QCOM_AXIS_ORDER in data_node.meta:
-            raise LoweringError(
-                f"index_put node '{node.name}' writes a tensor whose layout the QNN layout "
-                "pass changed; qnn_mutbuf cannot build that scatter."
-            )
-        return _ScatterBuilder(self, node, data_node, nodes_to_wrappers).build()
-
-
-register_node_visitor(StateIndexPutVisitor)
+def register_state_index_put_visitor() -> None:
+    register_wrapped_visitors(["aten.index_put.default"], "State", _state_index_put)
 
 
 class _ScatterBuilder:
