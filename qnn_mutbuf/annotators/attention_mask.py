@@ -16,7 +16,12 @@ from torchao.quantization.pt2e.quantizer import (
 from torchao.quantization.pt2e.quantizer.quantizer import Q_ANNOTATION_KEY
 
 from qnn_mutbuf.annotators.state import is_float_value, observer_keywords
-from qnn_mutbuf.passes.attention_mask import MASKED_META_KEY, MaskedScoresObserver
+from qnn_mutbuf.passes.attention_mask import (
+    MASKED_META_KEY,
+    MaskedScoresObserver,
+    constant_value,
+    is_masked_value,
+)
 
 
 def annotate_masked_scores(graph_module: GraphModule, quantization_config_for) -> None:
@@ -38,7 +43,12 @@ def annotate_masked_scores(graph_module: GraphModule, quantization_config_for) -
         )
         _, on_true, on_false = node.args
         constant = next(
-            (v for v in (on_true, on_false) if is_float_value(v) and _is_mask_constant(v)), None
+            (
+                v
+                for v in (on_true, on_false)
+                if is_float_value(v) and is_masked_value(constant_value(v, graph_module))
+            ),
+            None,
         )
         scores = next(
             (v for v in (on_true, on_false) if is_float_value(v) and v is not constant), None
@@ -56,17 +66,3 @@ def annotate_masked_scores(graph_module: GraphModule, quantization_config_for) -
             allow_implicit_sharing=False,
             _annotated=True,
         )
-
-
-def _is_mask_constant(node) -> bool:
-    import torch
-
-    from qnn_mutbuf.passes.attention_mask import MASK_THRESHOLD
-
-    if node.op == "call_function" and node.target == torch.ops.aten.scalar_tensor.default:
-        return float(node.args[0]) <= MASK_THRESHOLD
-    if node.op == "get_attr":
-        owner = node.graph.owning_module
-        value = getattr(owner, str(node.target), None)
-        return isinstance(value, torch.Tensor) and bool((value <= MASK_THRESHOLD).all())
-    return False

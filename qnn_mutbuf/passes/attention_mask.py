@@ -31,7 +31,7 @@ MASK_THRESHOLD = -3.0e4  # below any real attention score, above fp16's lowest
 DEFAULT_MARGIN = 20.0
 
 
-def _constant_value(node: object, graph_module: GraphModule) -> float | None:
+def constant_value(node: object, graph_module: GraphModule) -> float | None:
     """The value of a scalar-like constant node (scalar_tensor, full, 1-element get_attr)."""
     if isinstance(node, (int, float)):
         return float(node)
@@ -54,7 +54,7 @@ def _constant_value(node: object, graph_module: GraphModule) -> float | None:
     return None
 
 
-def _is_masked_value(value: float | None) -> bool:
+def is_masked_value(value: float | None) -> bool:
     return value is not None and (math.isinf(value) and value < 0 or value <= MASK_THRESHOLD)
 
 
@@ -85,8 +85,8 @@ class BoundAttentionMasks(PassBase):
             elif node.target == aten.add.Tensor:
                 replacement = self._from_additive(node, graph_module)
             elif node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
-                fill = _constant_value(node.args[2], graph_module)
-                if _is_masked_value(fill):
+                fill = constant_value(node.args[2], graph_module)
+                if is_masked_value(fill):
                     replacement = (node.args[1], self._masked_constant(node), node.args[0])
             if replacement is None:
                 continue
@@ -109,17 +109,17 @@ class BoundAttentionMasks(PassBase):
             if not (isinstance(mask, Node) and mask.target == aten.where.self):
                 continue
             condition, on_true, on_false = mask.args
-            true_value = _constant_value(on_true, graph_module)
-            false_value = _constant_value(on_false, graph_module)
+            true_value = constant_value(on_true, graph_module)
+            false_value = constant_value(on_false, graph_module)
             scores_shape = tuple(node.meta["val"].shape) if "val" in node.meta else None
             if (
                 scores_shape is None
                 or tuple(scores.meta.get("val", torch.empty(0)).shape) != scores_shape
             ):
                 continue  # the mask would broadcast the scores: leave it alone
-            if true_value == 0.0 and _is_masked_value(false_value):
+            if true_value == 0.0 and is_masked_value(false_value):
                 return condition, scores, self._masked_constant(node)
-            if false_value == 0.0 and _is_masked_value(true_value):
+            if false_value == 0.0 and is_masked_value(true_value):
                 return condition, self._masked_constant(node), scores
         return None
 
@@ -127,12 +127,12 @@ class BoundAttentionMasks(PassBase):
         condition, on_true, on_false = node.args
         shape = tuple(node.meta["val"].shape) if "val" in node.meta else None
         for kept, masked in ((on_true, on_false), (on_false, on_true)):
-            masked_value = _constant_value(masked, graph_module)
-            if not (isinstance(kept, Node) and _is_masked_value(masked_value)):
+            masked_value = constant_value(masked, graph_module)
+            if not (isinstance(kept, Node) and is_masked_value(masked_value)):
                 continue
             kept_value = kept.meta.get("val")
             if (
-                _constant_value(kept, graph_module) is not None
+                constant_value(kept, graph_module) is not None
                 or not isinstance(kept_value, torch.Tensor)
                 or not kept_value.is_floating_point()
                 or tuple(kept_value.shape) != shape
