@@ -275,7 +275,7 @@ def lower(
     from qnn_mutbuf.sdk import activate_host_sdk
     from qnn_mutbuf.soc import resolve_soc
 
-    chipset = resolve_soc(soc)
+    resolve_soc(soc)  # an unknown name fails here, listing the known ones
     activate_host_sdk()
     inputs = tuple(example_inputs)
     if not all(isinstance(value, torch.Tensor) for value in inputs):
@@ -285,8 +285,7 @@ def lower(
     program, report = lower_graph_module(
         graph_module,
         inputs,
-        chipset=chipset,
-        soc=soc.upper(),
+        soc=soc.strip().upper(),
         fp16=fp16,
         delegate_mutable_buffers=delegate_mutable_buffers,
     )
@@ -323,7 +322,6 @@ def lower_graph_module(
     graph_module: GraphModule,
     inputs: tuple,
     *,
-    chipset,
     soc: str,
     fp16: bool,
     delegate_mutable_buffers: bool,
@@ -335,8 +333,6 @@ def lower_graph_module(
     from executorch.backends.qualcomm.serialization.qc_schema import QnnExecuTorchBackendType
     from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
     from executorch.backends.qualcomm.utils.utils import (
-        generate_htp_compiler_spec,
-        generate_qnn_executorch_compiler_spec,
         get_qnn_context_binary_alignment,
         qnn_edge_config,
     )
@@ -351,6 +347,7 @@ def lower_graph_module(
         mark_initialized_buffers,
     )
     from qnn_mutbuf.passes.scalar_state import PromoteScalarBuffers
+    from qnn_mutbuf.sdk.device import htp_compile_spec
 
     # A new module over a copy of the graph: passes below edit the graph and add
     # buffers, the caller's module (the fake-quant reference) stays as it was.
@@ -367,9 +364,7 @@ def lower_graph_module(
             initial[name] = initial[name].reshape(graph_module.get_buffer(name).shape)
         graph_module = InsertInitialStateSelect(initial)(graph_module).graph_module
 
-    compiler_specs = generate_qnn_executorch_compiler_spec(
-        soc_model=chipset, backend_options=generate_htp_compiler_spec(use_fp16=fp16)
-    )
+    compiler_specs = htp_compile_spec(soc, fp16=fp16)
     with stage("export for QNN"):
         exported = torch.export.export(graph_module, inputs, strict=True)
     pass_manager = get_qnn_pass_manager_cls(QnnExecuTorchBackendType.kHtpBackend)()
