@@ -69,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
         help="MODEL spec to build the fp32 and fake-quant references from",
     )
     run.add_argument("--report", type=Path, help="write the per-step results as JSON")
-    run.add_argument("--plot", type=Path, help="write the per-step SQNR curve (needs matplotlib)")
+    run.add_argument(
+        "--plot", type=Path, help="write the per-step SQNR curve (needs --reference and matplotlib)"
+    )
     adb = run.add_argument_group("adb")
     adb.add_argument("-s", "--serial", help="device serial (adb -s)")
     adb.add_argument("-H", "--host", help="adb server host (adb -H)")
