@@ -10,12 +10,11 @@ from __future__ import annotations
 from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantizer import (
     QuantizationAnnotation,
-    QuantizationSpec,
     SharedQuantizationSpec,
 )
 from torchao.quantization.pt2e.quantizer.quantizer import Q_ANNOTATION_KEY
 
-from qnn_mutbuf.annotators.state import is_float_value, observer_keywords
+from qnn_mutbuf.annotators.state import is_float_value, with_observer
 from qnn_mutbuf.passes.attention_mask import (
     MASKED_META_KEY,
     MaskedScoresObserver,
@@ -32,15 +31,7 @@ def annotate_masked_scores(graph_module: GraphModule, quantization_config_for) -
         activation = getattr(config, "output_activation", None)
         if activation is None:
             continue
-        keywords = observer_keywords(activation)
-        masked_spec = QuantizationSpec(
-            dtype=activation.dtype,
-            quant_min=activation.quant_min,
-            quant_max=activation.quant_max,
-            qscheme=activation.qscheme,
-            is_dynamic=False,
-            observer_or_fake_quant_ctr=MaskedScoresObserver.with_args(**keywords),
-        )
+        masked_spec = with_observer(activation, MaskedScoresObserver)
         _, on_true, on_false = node.args
         constant = next(
             (

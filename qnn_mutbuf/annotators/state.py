@@ -86,21 +86,13 @@ def state_info(node: Node) -> dict | None:
     return node.meta.get(STATE_META_KEY)
 
 
-def observer_keywords(activation: QuantizationSpec) -> dict:
-    """Settings of the config's observer that a replacement observer keeps (``eps``)."""
+def with_observer(activation: QuantizationSpec, observer: type) -> QuantizationSpec:
+    """The config's activation spec observed by `observer` instead; the config
+    observer's ``eps`` carries over."""
+    keywords = {}
     partial = getattr(activation.observer_or_fake_quant_ctr, "p", None)
     if partial is not None and "eps" in partial.keywords:
-        return {"eps": partial.keywords["eps"]}
-    return {}
-
-
-def state_qspec(activation: QuantizationSpec) -> QuantizationSpec:
-    """The activation spec of the config, observed by a min-max observer."""
-    keywords = observer_keywords(activation)
-    observer = MinMaxObserver
-    if is_16bit(activation.dtype, activation.quant_min, activation.quant_max):
-        # Clipped state is wrong at every later step; 16 bits leave room for headroom.
-        observer = HeadroomMinMaxObserver
+        keywords["eps"] = partial.keywords["eps"]
     return QuantizationSpec(
         dtype=activation.dtype,
         quant_min=activation.quant_min,
@@ -110,6 +102,14 @@ def state_qspec(activation: QuantizationSpec) -> QuantizationSpec:
         is_dynamic=False,
         observer_or_fake_quant_ctr=observer.with_args(**keywords),
     )
+
+
+def state_qspec(activation: QuantizationSpec) -> QuantizationSpec:
+    """The activation spec of the config, observed by a min-max observer."""
+    if is_16bit(activation.dtype, activation.quant_min, activation.quant_max):
+        # Clipped state is wrong at every later step; 16 bits leave room for headroom.
+        return with_observer(activation, HeadroomMinMaxObserver)
+    return with_observer(activation, MinMaxObserver)
 
 
 def plan_state_encodings(
