@@ -4,6 +4,7 @@ Public API, loaded lazily so that ``import qnn_mutbuf`` loads no QNN library:
 
 * :class:`MutableBufferQnnQuantizer` - drop-in for ``QnnQuantizer`` in PT2E;
 * :func:`find_mutable_buffers` - which buffers a graph mutates, and where;
+* :func:`reset_state` - a convert_pt2e module back at its initial state (the reference);
 * :func:`quantize` / :func:`lower` - the driver from nn.Module to ExecuTorch program;
 * :class:`HostRunner`, :class:`AdbRunner`, :class:`AiHubRunner` - run a `.pte` step by step.
 """
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "MutableBufferQnnQuantizer": "qnn_mutbuf.quantizer",
     "find_mutable_buffers": "qnn_mutbuf.detect",
+    "reset_state": "qnn_mutbuf.records",
     "quantize": "qnn_mutbuf.lowering",
     "lower": "qnn_mutbuf.lowering",
     "HostRunner": "qnn_mutbuf.runners.host",

@@ -4,14 +4,34 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import warnings
 from pathlib import Path
 
-from qnn_mutbuf.errors import QnnMutbufError
+from qnn_mutbuf.errors import GateMissedError, QnnMutbufError
 
 DEFAULT_SOC = "SM8650"
 QUANT_CHOICES = ("8a8w", "16a8w", "16a4w", "16a16w", "fp16")
+EXIT_ERROR = 1  # bad input, missing SDK, a device or job that failed
+EXIT_GATE_MISSED = 3  # the program ran, but its numbers missed a gate (2 is argparse's)
+
+RUN_EPILOG = f"""\
+gates (both need --reference; either makes the run a check that can fail):
+  --fail-below-sqnr DB  every step and output has SQNR >= DB against the fp32
+                        reference (an fp16 program's only reference).
+  --max-steps-off N     every step and output is within N steps of its output
+                        encoding (max|err| / output scale) of the fake-quant
+                        reference; quantized programs only.
+  The table (and --report, --plot) is written first; then one line on stderr
+  names the first step and output that missed, the value and the limit.
+
+exit status:
+  0  ran, and the numbers met every gate given
+  {EXIT_ERROR}  error: bad input, missing SDK, device or AI Hub failure
+  2  bad command line
+  {EXIT_GATE_MISSED}  ran, but the numbers missed --fail-below-sqnr or --max-steps-off
+"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,8 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
         help="run a .pte step by step on host, adb or aihub",
-        description="Run the steps in order, state carried between them; with --reference, "
+        # hand-wrapped: the raw formatter that keeps the epilog's layout keeps this one's too
+        description="Run the steps in order, state carried between them; with --reference,\n"
         "compare every step with the fp32 and fake-quant references.",
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("target", choices=("host", "adb", "aihub"), help="where to run")
     run.add_argument("pte", type=Path, help="the program to run")
@@ -71,6 +94,19 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--report", type=Path, help="write the per-step results as JSON")
     run.add_argument(
         "--plot", type=Path, help="write the per-step SQNR curve (needs --reference and matplotlib)"
+    )
+    run.add_argument(
+        "--fail-below-sqnr",
+        type=_finite,
+        metavar="DB",
+        help=f"exit {EXIT_GATE_MISSED} if any step's SQNR vs fp32 is below DB (needs --reference)",
+    )
+    run.add_argument(
+        "--max-steps-off",
+        type=_non_negative,
+        metavar="N",
+        help=f"exit {EXIT_GATE_MISSED} if any step is more than N output-encoding steps off "
+        "fake-quant (needs --reference, quantized programs)",
     )
     adb = run.add_argument_group("adb")
     adb.add_argument("-s", "--serial", help="device serial (adb -s)")
@@ -118,6 +154,23 @@ def _add_lowering_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative; errors are at least 0 steps")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
@@ -141,9 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     args.capture_native = not args.verbose
     try:
         return handler(args)
+    except GateMissedError as error:
+        print(f"qnn-mutbuf {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_GATE_MISSED
     except QnnMutbufError as error:
         print(f"qnn-mutbuf {args.command}: error: {error}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"qnn-mutbuf {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -5,15 +5,25 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
 from qnn_mutbuf.artifacts import read_sidecar, write_atomically, write_sidecar
-from qnn_mutbuf.errors import InputError, SdkNotFoundError
+from qnn_mutbuf.errors import GateMissedError, InputError, SdkNotFoundError
 from qnn_mutbuf.native_output import captured_native_output
-from qnn_mutbuf.verify import ComparisonTable, EagerRunner, compare_steps, format_table
+from qnn_mutbuf.verify import (
+    ComparisonTable,
+    EagerRunner,
+    GateMiss,
+    compare_steps,
+    format_table,
+    output_scales,
+    sqnr_misses,
+    steps_off_misses,
+)
 
 
 def _version(distribution: str) -> str:
@@ -182,17 +192,37 @@ def _runner(args: argparse.Namespace):
     return AiHubRunner(args.pte, device=args.device, chipset=args.chipset)
 
 
-def references(spec: str, sidecar: dict, steps: list) -> dict[str, list]:
+@dataclass(frozen=True)
+class References:
+    """What `run --reference` compares with: fp32 always; for quantized programs also
+    the fake-quant outputs and their output scales, which turn errors into steps."""
+
+    fp32: list[list[torch.Tensor]]
+    fake_quant: list[list[torch.Tensor]] | None = None
+    output_scales: list[float | None] | None = None
+
+    def compare(self, actual: list[list[torch.Tensor]]) -> list[ComparisonTable]:
+        tables = [compare_steps("fp32", self.fp32, actual, self.output_scales)]
+        if self.fake_quant is not None:
+            tables.append(compare_steps("fake-quant", self.fake_quant, actual, self.output_scales))
+        return tables
+
+
+def references(spec: str, sidecar: dict, steps: list) -> References:
     """fp32 and (for quantized programs) fake-quant outputs of MODEL for `steps`."""
     from qnn_mutbuf.lowering import quantize
     from qnn_mutbuf.model_spec import load_model
 
     loaded = load_model(spec, sidecar.get("calibration_steps"))
-    results = {"fp32": EagerRunner(loaded.module).run(steps)}
-    if sidecar.get("quant", "fp16") != "fp16":
-        quantized = quantize(loaded.module, loaded.calibration, quant=sidecar["quant"])
-        results["fake-quant"] = EagerRunner(quantized).run(steps)
-    return results
+    fp32 = EagerRunner(loaded.module).run(steps)
+    if not _is_quantized(sidecar):
+        return References(fp32)
+    quantized = quantize(loaded.module, loaded.calibration, quant=sidecar["quant"])
+    return References(fp32, EagerRunner(quantized).run(steps), output_scales(quantized))
+
+
+def _is_quantized(sidecar: dict) -> bool:
+    return sidecar.get("quant", "fp16") != "fp16"
 
 
 def summarize_outputs(outputs: list[list[torch.Tensor]]) -> str:
@@ -209,11 +239,62 @@ def summarize_outputs(outputs: list[list[torch.Tensor]]) -> str:
     return "\n".join(lines)
 
 
+def _gate_flags(args: argparse.Namespace) -> list[str]:
+    return [
+        flag
+        for flag, limit in (
+            ("--fail-below-sqnr", args.fail_below_sqnr),
+            ("--max-steps-off", args.max_steps_off),
+        )
+        if limit is not None
+    ]
+
+
+def gate_misses(args: argparse.Namespace, tables: list[ComparisonTable]) -> list[str]:
+    """Every row that missed a gate, one line each, by step then output (gate order).
+
+    --fail-below-sqnr checks SQNR against fp32 (what the user cares about; the only
+    reference of an fp16 program); --max-steps-off checks steps of the output
+    encoding against fake-quant (what the HTP should reproduce up to rounding).
+    """
+    by_reference = {table.reference: table for table in tables}
+    misses: list[tuple[GateMiss, str]] = []
+    if args.fail_below_sqnr is not None:
+        limit = args.fail_below_sqnr
+        misses += [
+            (miss, f"SQNR {miss.value:.1f} dB vs fp32 is below --fail-below-sqnr {limit:g}")
+            for miss in sqnr_misses(by_reference["fp32"], limit)
+        ]
+    if args.max_steps_off is not None:
+        limit = args.max_steps_off
+        misses += [
+            (miss, _steps_off_text(miss, limit))
+            for miss in steps_off_misses(by_reference["fake-quant"], limit)
+        ]
+    misses.sort(key=lambda pair: (pair[0].step, pair[0].output))
+    return [f"step {miss.step} output {miss.output}: {text}" for miss, text in misses]
+
+
+def _steps_off_text(miss: GateMiss, limit: float) -> str:
+    if miss.value is None:
+        return f"no output encoding to count steps in, so --max-steps-off {limit:g} cannot pass"
+    return (
+        f"{miss.value:.2f} steps of the output encoding off fake-quant is above "
+        f"--max-steps-off {limit:g}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     steps = load_steps(args.inputs, args.steps)
     sidecar = read_sidecar(args.pte)
     if args.plot and not args.reference:
         raise InputError("--plot needs --reference: there is nothing to plot without one.")
+    gates = _gate_flags(args)
+    if gates and not args.reference:
+        raise InputError(
+            f"{' and '.join(gates)} need{'s' if len(gates) == 1 else ''} --reference: "
+            "there is nothing to gate against without one."
+        )
     if args.plot:
         from qnn_mutbuf.plot import pyplot
 
@@ -222,6 +303,12 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(
             f"--reference needs {args.pte.with_suffix('.json')} (written by `qnn-mutbuf export`) "
             "to quantize the reference with the same settings."
+        )
+    if args.max_steps_off is not None and not _is_quantized(sidecar):
+        raise InputError(
+            f"--max-steps-off needs a quantized program: {args.pte} is fp16, its outputs have "
+            "no encoding to count steps in and there is no fake-quant reference; "
+            "use --fail-below-sqnr (vs fp32)."
         )
     with captured_native_output(args.capture_native):
         runner = _runner(args)
@@ -235,11 +322,10 @@ def run(args: argparse.Namespace) -> int:
     tables: list[ComparisonTable] = []
     if args.reference:
         with captured_native_output(args.capture_native):
-            expected_outputs = references(args.reference, sidecar, steps)
-        for name, expected in expected_outputs.items():
-            tables.append(compare_steps(name, expected, outputs))
+            tables = references(args.reference, sidecar, steps).compare(outputs)
         print()
         print(format_table(tables))
+    misses = gate_misses(args, tables) if gates else []
     extra = getattr(runner, "profile_summary", None)
     if extra:
         print()
@@ -252,6 +338,12 @@ def run(args: argparse.Namespace) -> int:
             "outputs": [[list(v.shape) for v in step] for step in outputs],
             "comparisons": [table.as_dict() for table in tables],
         }
+        if gates:
+            report["gates"] = {
+                "fail_below_sqnr_vs_fp32": args.fail_below_sqnr,
+                "max_steps_off_vs_fake_quant": args.max_steps_off,
+                "misses": misses,
+            }
         if getattr(runner, "profile", None):
             report["profile"] = runner.profile
         write_atomically(args.report, json.dumps(report, indent=2, default=str) + "\n")
@@ -261,6 +353,9 @@ def run(args: argparse.Namespace) -> int:
 
         plot_sqnr(tables, args.plot, title=f"{args.pte.name} on {args.target}")
         print(f"wrote {args.plot}")
+    if misses:
+        more = f" (first of {len(misses)} misses)" if len(misses) > 1 else ""
+        raise GateMissedError(misses[0] + more)
     return 0
 
 
@@ -268,7 +363,6 @@ def demo(args: argparse.Namespace) -> int:
     from qnn_mutbuf.lowering import lower, quantize
     from qnn_mutbuf.runners.host import HostRunner
     from qnn_mutbuf.seed_models import decode_steps, seed, small
-    from qnn_mutbuf.verify import output_scales
 
     module, calibration, example = (small if args.small else seed)()
     shape = tuple(module.k_cache.shape)

@@ -32,3 +32,7 @@ class DeviceError(QnnMutbufError):
 
 class AiHubError(QnnMutbufError):
     """Qualcomm AI Hub is not configured or a job failed."""
+
+
+class GateMissedError(QnnMutbufError):
+    """The program ran, but its numbers missed a gate (--fail-below-sqnr, --max-steps-off)."""

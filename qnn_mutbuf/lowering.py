@@ -13,7 +13,7 @@ import logging
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule
@@ -22,36 +22,18 @@ from qnn_mutbuf.detect import find_mutable_buffers
 from qnn_mutbuf.errors import InputError, LoweringError, UnsupportedMutationError
 from qnn_mutbuf.passes.initial_state import STARTED_BUFFER
 from qnn_mutbuf.progress import progress, stage
+from qnn_mutbuf.records import (
+    RECORD_KEY,
+    QuantizationRecord,
+    StateEncodingRecord,
+    record_initial_state,
+    record_of,
+    reset_state,
+)
 
 logger = logging.getLogger(__name__)
 
 QUANT_SCHEMES = ("8a8w", "16a8w", "16a4w", "16a16w")
-RECORD_KEY = "qnn_mutbuf"
-
-
-@dataclass
-class StateEncodingRecord:
-    """Scale, zero point and integer range of one buffer's state encoding."""
-
-    scale: float
-    zero_point: int
-    quant_min: int
-    quant_max: int
-    dtype: str
-
-    def step(self) -> float:
-        return self.scale
-
-
-@dataclass
-class QuantizationRecord:
-    """What quantize() did, kept in ``GraphModule.meta["qnn_mutbuf"]``."""
-
-    quant: str
-    mutable_buffers: dict[str, tuple[list[int], str]] = field(default_factory=dict)
-    state_encodings: dict[str, StateEncodingRecord] = field(default_factory=dict)
-    initial_state: dict[str, torch.Tensor] = field(default_factory=dict)
-    calibration_steps: int = 0
 
 
 def quant_dtype(quant: str):
@@ -75,25 +57,30 @@ def default_quantizer(quant: str = "8a8w", soc: str = "SM8650"):
     activations and state seen over so few samples, a min-max observer does not. With
     16-bit activations the range also gets headroom (see observers.py).
     """
-    from torchao.quantization.pt2e import MinMaxObserver
-
-    from qnn_mutbuf.observers import HeadroomMinMaxObserver
-    from qnn_mutbuf.quantizer import MutableBufferQnnQuantizer
+    from qnn_mutbuf.quantizer import MutableBufferQnnQuantizer, default_act_observer
     from qnn_mutbuf.soc import resolve_soc
 
     quantizer = MutableBufferQnnQuantizer(soc_model=resolve_soc(soc))
-    sixteen_bit = quant.startswith("16a")
+    dtype = quant_dtype(quant)
     quantizer.set_default_quant_config(
-        quant_dtype(quant),
+        dtype,
         is_conv_per_channel=True,
         is_linear_per_channel=True,
-        act_observer=HeadroomMinMaxObserver if sixteen_bit else MinMaxObserver,
+        act_observer=default_act_observer(dtype),
     )
     return quantizer
 
 
-def check_steps(steps: Sequence, what: str = "calibration") -> list[tuple[torch.Tensor, ...]]:
-    """Steps are a non-empty list of per-step input tuples of tensors."""
+def check_steps(steps: Sequence, what: str = "calibration") -> list[tuple]:
+    """Steps are a non-empty list of per-step positional inputs.
+
+    Each step is a tuple of what ``torch.export`` accepts as ``args``: tensors, or
+    nested tuples/lists/dicts of them, with non-tensor leaves where export makes them
+    constants. Every step must have step 0's structure and tensor shapes; a mismatch
+    is one message naming the step and the leaf (``step 3: input[0]['input_pos']``).
+    """
+    from qnn_mutbuf.program_io import flatten_step
+
     if isinstance(steps, (tuple, list)) and steps and isinstance(steps[0], torch.Tensor):
         raise InputError(
             f"{what} must be a list of per-step input tuples, e.g. [(x0,), (x1,)], "
@@ -102,15 +89,53 @@ def check_steps(steps: Sequence, what: str = "calibration") -> list[tuple[torch.
     if not isinstance(steps, (list, tuple)) or not steps:
         raise InputError(f"{what} must be a non-empty list of per-step input tuples.")
     checked = []
+    expected = None
     for index, step in enumerate(steps):
         if isinstance(step, torch.Tensor):
             step = (step,)
-        if not isinstance(step, (list, tuple)) or not all(
-            isinstance(value, torch.Tensor) for value in step
-        ):
-            raise InputError(f"{what} step {index} must be a tuple of tensors, got {step!r:.80}.")
+        if not isinstance(step, (list, tuple)):
+            raise InputError(
+                f"{what} step {index} must be a tuple of positional inputs, got "
+                f"{type(step).__name__}."
+            )
+        leaves = [(path, _leaf_signature(value)) for path, value in flatten_step(tuple(step))]
+        if not any(isinstance(sig, tuple) for _, sig in leaves):
+            raise InputError(f"{what} step {index} holds no tensor.")
+        if expected is None:
+            expected = leaves
+        elif leaves != expected:
+            raise InputError(f"{what} step {index}: {_first_difference(expected, leaves)}")
         checked.append(tuple(step))
     return checked
+
+
+def _leaf_signature(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise InputError(
+        f"inputs hold a {type(value).__name__}; torch.export takes tensors, nested "
+        "tuples/lists/dicts of them and plain numbers."
+    )
+
+
+def _first_difference(expected: list, actual: list) -> str:
+    paths = [path for path, _ in expected]
+    if paths != [path for path, _ in actual]:
+        return (
+            f"the inputs have the leaves {', '.join(p for p, _ in actual) or 'none'}, step 0 "
+            f"has {', '.join(paths)}."
+        )
+    for (path, want), (_, got) in zip(expected, actual, strict=True):
+        if want == got:
+            continue
+        if isinstance(want, tuple) and isinstance(got, tuple):
+            if want[0] != got[0]:
+                return f"{path}: expected {want[0]}, got {got[0]}."
+            return f"{path}: expected dtype {want[1]}, got {got[1]}."
+        return f"{path}: expected {want!r} (as in step 0), got {got!r}."
+    return "differs from step 0."
 
 
 def quantize(
@@ -140,76 +165,99 @@ def quantize(
         graph_module = export_for_quantization(module, steps[0])
     with stage("prepare"):
         prepared = prepare_pt2e(graph_module, quantizer)
-    mutable = sorted(find_mutable_buffers(prepared))
-    initial = {name: prepared.get_buffer(name).detach().clone() for name in mutable}
+    # MutableBufferQnnQuantizer records the initial state before calibration; a
+    # quantizer of the user's own that does not is covered here.
+    record = record_of(prepared) or record_initial_state(
+        prepared, sorted(find_mutable_buffers(prepared))
+    )
     with torch.no_grad():
         for inputs in progress(steps, description="calibration"):
             prepared(*inputs)
+    reset_state(prepared)
     with torch.no_grad():
-        for name, value in initial.items():
-            prepared.get_buffer(name).copy_(value)
         # Non-strict export may share buffer tensors with the caller's module.
         for name, value in module.named_buffers():
             if name in initial_module_state:
                 value.copy_(initial_module_state[name])
     with stage("convert"):
         converted = convert_pt2e(prepared)
-    check_buffers_kept(converted, mutable)
-    record = QuantizationRecord(
-        quant=quant,
-        mutable_buffers={
-            name: (list(initial[name].shape), str(initial[name].dtype).removeprefix("torch."))
-            for name in mutable
-        },
-        state_encodings=read_state_encodings(converted),
-        initial_state={name: value.clone() for name, value in initial.items()},
-        calibration_steps=len(steps),
-    )
+    check_buffers_kept(converted, list(record.mutable_buffers))
+    record.quant = quant
+    record.state_encodings = read_state_encodings(converted)
+    record.calibration_steps = len(steps)
     converted.meta[RECORD_KEY] = record
     return converted
 
 
 def export_for_quantization(module: torch.nn.Module, inputs: tuple) -> GraphModule:
-    """``torch.export`` (strict, as ExecuTorch's QNN flow does), else non-strict.
+    """``torch.export`` (strict, as ExecuTorch's QNN flow does), else non-strict, and
+    a check that every buffer the model changes is still written in the graph.
 
-    Non-strict export can lose the identity of buffers a module reaches through
-    other objects (transformers' StaticCache layers): their updates then land on
-    lifted constants that would silently freeze. That case is refused.
+    Strict export in torch 2.13 records nothing for a buffer *reassigned* in forward
+    (``self.h = f(self.h)``): no mutation, no ``copy_``, the state silently constant.
+    Non-strict export keeps a ``copy_``. One eager step on a copy of the module says
+    which buffers the model changes; when strict export lost one, non-strict is
+    used, and when both lose it, that is refused.
     """
-    try:
-        graph_module = torch.export.export(module, inputs, strict=True).module()
-    except Exception as error:  # dynamo cannot trace it: non-strict is the fallback
-        logger.info("strict export failed (%s); exporting non-strict", str(error).splitlines()[0])
-        graph_module = torch.export.export(module, inputs, strict=False).module()
-    frozen = frozen_state_writes(graph_module)
-    if frozen:
-        raise UnsupportedMutationError(
-            "torch.export turned state that the model updates in place into constants: "
-            + ", ".join(f"'{target}' (written by '{node}')" for target, node in frozen)
-            + ". Register that state with register_buffer on a module the forward reaches "
-            "directly, so export can track it."
-        )
-    return graph_module
-
-
-def frozen_state_writes(graph_module: GraphModule) -> list[tuple[str, str]]:
-    """In-place writes whose destination is a constant, not a registered buffer."""
-    from qnn_mutbuf.detect import written_argument_index
-
-    buffers = {name for name, _ in graph_module.named_buffers()}
-    found = []
-    for node in graph_module.graph.nodes:
-        index = written_argument_index(node)
-        if index is None or index >= len(node.args):
+    if isinstance(module, GraphModule):
+        return module
+    changed = buffers_changed_by_one_step(module, inputs)
+    attempts = ("strict", "non-strict")
+    graph_module, lost = None, []
+    for attempt in attempts:
+        try:
+            exported = torch.export.export(module, inputs, strict=attempt == "strict")
+        except Exception as error:
+            if attempt == attempts[-1]:
+                raise
+            # dynamo cannot trace it: non-strict is the fallback
+            logger.info("strict export failed (%s); exporting non-strict", _first_line(error))
             continue
-        destination = node.args[index]
-        if (
-            isinstance(destination, torch.fx.Node)
-            and destination.op == "get_attr"
-            and str(destination.target) not in buffers
-        ):
-            found.append((str(destination.target), node.name))
-    return found
+        graph_module = exported.module()
+        lost = [name for name in changed if name not in _written_buffers(graph_module)]
+        if not lost:
+            return graph_module
+        logger.info("%s export lost the writes of %s", attempt, ", ".join(lost))
+    raise UnsupportedMutationError(
+        f"torch.export loses the new value of buffer(s) {', '.join(lost)}: the model "
+        "changes them in forward, but neither strict nor non-strict export records the "
+        "write, so the lowered state would stay constant. Update them in place "
+        "(self.h.copy_(new_h)) instead of assigning a new tensor."
+    )
+
+
+def buffers_changed_by_one_step(module: torch.nn.Module, inputs: tuple) -> list[str]:
+    """Buffers one eager forward (on a copy) reassigns or changes in place."""
+    import copy
+
+    probe = copy.deepcopy(module)
+    identities = {name: id(value) for name, value in probe.named_buffers()}
+    with torch.no_grad():
+        probe(*copy.deepcopy(inputs))
+    original = dict(module.named_buffers())
+    changed = []
+    for name, value in probe.named_buffers():
+        before = original.get(name)
+        if before is None or identities.get(name) != id(value):
+            changed.append(name)  # reassigned (or registered during forward)
+        elif value.shape != before.shape or not torch.equal(value, before):
+            changed.append(name)
+    return changed
+
+
+def _written_buffers(graph_module: GraphModule) -> set[str]:
+    import copy
+
+    from qnn_mutbuf.passes.set_grad_regions import InlineSetGradRegions
+
+    inlined = GraphModule(graph_module, copy.deepcopy(graph_module.graph))
+    InlineSetGradRegions()(inlined)
+    return set(find_mutable_buffers(inlined))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def check_buffers_kept(converted: GraphModule, mutable: Sequence[str]) -> None:
@@ -277,9 +325,7 @@ def lower(
 
     resolve_soc(soc)  # an unknown name fails here, listing the known ones
     activate_host_sdk()
-    inputs = tuple(example_inputs)
-    if not all(isinstance(value, torch.Tensor) for value in inputs):
-        raise InputError("example_inputs must be a tuple of tensors (one step's inputs).")
+    (inputs,) = check_steps([example_inputs], what="example_inputs")
     graph_module = _as_graph_module(model_or_quantized, inputs, fp16)
     start = time.monotonic()
     program, report = lower_graph_module(
@@ -355,7 +401,11 @@ def lower_graph_module(
     source = graph_module
     graph_module = GraphModule(source, copy.deepcopy(source.graph))
     graph_module.meta.update(source.meta)
-    record = graph_module.meta.get(RECORD_KEY)
+    record = record_of(graph_module)
+    if record is not None:
+        # The program starts from the model's initial state, not from what
+        # calibration left in the buffers of a convert_pt2e module (drop-in path).
+        start_from_initial_state(graph_module, record)
     PromoteScalarBuffers()(graph_module)
     mutable = find_mutable_buffers(graph_module)
     if delegate_mutable_buffers and mutable:
@@ -402,6 +452,19 @@ def lower_graph_module(
             )
         )
     return program, report
+
+
+def start_from_initial_state(graph_module: GraphModule, record: QuantizationRecord) -> None:
+    """Gives `graph_module` its own copies of the mutable buffers, holding the
+    recorded initial state (the caller's module keeps its tensors)."""
+    for name, initial in record.initial_state.items():
+        try:
+            current = graph_module.get_buffer(name)
+        except AttributeError:
+            continue
+        owner_path, _, attribute = name.rpartition(".")
+        owner = graph_module.get_submodule(owner_path) if owner_path else graph_module
+        owner.register_buffer(attribute, initial.detach().clone().reshape(current.shape))
 
 
 def _report(program, soc, fp16, delegate, mutable, top_level) -> LoweringReport:

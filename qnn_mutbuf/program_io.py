@@ -52,14 +52,31 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class ConstantSpec:
+    """A non-tensor program input: torch.export specialised it to this value."""
+
+    value: object
+
+    def describe(self) -> str:
+        return f"{type(self.value).__name__} {self.value!r}"
+
+
+InputSpec = TensorSpec | ConstantSpec
+
+
+@dataclass(frozen=True)
 class ProgramIO:
     """Inputs and outputs of one method of a program, and the CPU kernels it calls
     outside its delegates (``aten::copy_`` is ExecuTorch's buffer write-back)."""
 
     method: str
-    inputs: tuple[TensorSpec, ...]
+    inputs: tuple[InputSpec, ...]
     outputs: tuple[TensorSpec, ...]
     cpu_operators: tuple[str, ...] = ()
+
+    @property
+    def tensor_inputs(self) -> tuple[TensorSpec, ...]:
+        return tuple(spec for spec in self.inputs if isinstance(spec, TensorSpec))
 
     @property
     def cpu_compute(self) -> tuple[str, ...]:
@@ -92,6 +109,16 @@ def read_program_io(pte: str | os.PathLike | bytes, method: str = "forward") -> 
         raise InputError(f"The program has no method {method!r}; it has {sorted(plans)}.")
     plan = plans[method]
 
+    def input_spec(index: int) -> InputSpec:
+        value = plan.values[index].val
+        if hasattr(value, "sizes"):
+            return spec(index)
+        # Int, Bool, Double, String or Null: a constant leaf of the inputs.
+        for attribute in ("int_val", "bool_val", "double_val", "string_val"):
+            if hasattr(value, attribute):
+                return ConstantSpec(getattr(value, attribute))
+        return ConstantSpec(None)
+
     def spec(index: int) -> TensorSpec:
         value = plan.values[index].val
         if not hasattr(value, "sizes"):
@@ -108,38 +135,58 @@ def read_program_io(pte: str | os.PathLike | bytes, method: str = "forward") -> 
     )
     return ProgramIO(
         method=method,
-        inputs=tuple(spec(i) for i in plan.inputs),
+        inputs=tuple(input_spec(i) for i in plan.inputs),
         outputs=tuple(spec(i) for i in plan.outputs),
         cpu_operators=operators,
     )
 
 
+def flatten_step(inputs: object) -> list[tuple[str, object]]:
+    """The leaves of one step's (possibly nested) inputs, each with its path, in the
+    order torch.export flattens them: ``input[0]['input_pos']``."""
+    from torch.utils import _pytree as pytree
+
+    if isinstance(inputs, list):
+        inputs = tuple(inputs)
+    leaves, _ = pytree.tree_flatten_with_path(inputs)
+    return [(f"input{pytree.keystr(path)}", value) for path, value in leaves]
+
+
 def check_step_inputs(
-    specs: Sequence[TensorSpec], inputs: Sequence[object], step: int | None = None
-) -> list[torch.Tensor]:
-    """Raises one InputError naming the input (and step) that does not fit."""
+    specs: Sequence[InputSpec], inputs: Sequence[object], step: int | None = None
+) -> list[object]:
+    """The program's flat inputs from one step's nested inputs.
+
+    Raises one InputError naming the step and the leaf that does not fit.
+    """
     where = f"step {step}: " if step is not None else ""
-    if len(inputs) != len(specs):
+    leaves = flatten_step(inputs)
+    if len(leaves) != len(specs):
         raise InputError(
             f"{where}the program takes {len(specs)} inputs "
-            f"({', '.join(s.describe() for s in specs)}), got {len(inputs)}."
+            f"({', '.join(s.describe() for s in specs)}), got {len(leaves)} "
+            f"({', '.join(path for path, _ in leaves) or 'none'})."
         )
     checked = []
-    for index, (spec, value) in enumerate(zip(specs, inputs, strict=True)):
+    for (path, value), spec in zip(leaves, specs, strict=True):
+        if isinstance(spec, ConstantSpec):
+            if spec.value is not None and value != spec.value:
+                raise InputError(
+                    f"{where}{path}: the program was exported with the constant "
+                    f"{spec.value!r} here, got {value!r}. Export again with this value."
+                )
+            checked.append(value)
+            continue
         if not isinstance(value, torch.Tensor):
             raise InputError(
-                f"{where}input {index} must be a tensor {spec.describe()}, "
-                f"got {type(value).__name__}."
+                f"{where}{path}: expected a tensor {spec.describe()}, got {type(value).__name__}."
             )
         if value.dtype != spec.dtype:
             raise InputError(
-                f"{where}input {index} has dtype {str(value.dtype).removeprefix('torch.')}, "
-                f"the program expects {spec.describe()}."
+                f"{where}{path}: expected dtype {str(spec.dtype).removeprefix('torch.')}, "
+                f"got {str(value.dtype).removeprefix('torch.')}."
             )
         if tuple(value.shape) != spec.shape:
-            raise InputError(
-                f"{where}input {index} has shape {list(value.shape)}, "
-                f"the program expects {spec.describe()}."
-            )
+            raise InputError(f"{where}{path}: expected {spec.shape}, got {tuple(value.shape)}.")
         checked.append(value.contiguous())
     return checked

@@ -42,7 +42,11 @@ class EagerRunner:
         self.reset()
 
     def reset(self) -> None:
-        self.module = copy.deepcopy(self._original)
+        from qnn_mutbuf.records import reset_state
+
+        # A convert_pt2e module holds what calibration left in its buffers; the
+        # reference starts, like every lowered program, from the initial state.
+        self.module = reset_state(copy.deepcopy(self._original))
 
     def step(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -99,6 +103,38 @@ class ComparisonTable:
 
     def as_dict(self) -> dict:
         return {"reference": self.reference, "rows": [asdict(r) for r in self.rows]}
+
+
+@dataclass(frozen=True)
+class GateMiss:
+    """One row of a table that missed a limit: which step and output, what was measured.
+
+    `value` is None when the row has no number to check (an output without an
+    encoding has no steps of encoding): a limit that cannot be checked is missed.
+    """
+
+    step: int
+    output: int
+    reference: str
+    value: float | None
+
+
+def sqnr_misses(table: ComparisonTable, min_sqnr_db: float) -> list[GateMiss]:
+    """Rows whose SQNR is below `min_sqnr_db` (NaN misses: a NaN output is not good)."""
+    return [
+        GateMiss(row.step, row.output, table.reference, row.sqnr_db)
+        for row in table.rows
+        if not row.sqnr_db >= min_sqnr_db
+    ]
+
+
+def steps_off_misses(table: ComparisonTable, max_steps_off: float) -> list[GateMiss]:
+    """Rows more than `max_steps_off` steps of the output encoding away (or without one)."""
+    return [
+        GateMiss(row.step, row.output, table.reference, row.steps_of_encoding)
+        for row in table.rows
+        if row.steps_of_encoding is None or not row.steps_of_encoding <= max_steps_off
+    ]
 
 
 def compare_steps(

@@ -1,6 +1,8 @@
 """The qnn-mutbuf command line: demo, export + run host with --reference, errors, help."""
 
 import json
+import math
+import os
 import subprocess
 import sys
 
@@ -8,11 +10,21 @@ import pytest
 import torch
 
 SMALL = "qnn_mutbuf.seed_models:small"
+GATE_MISSED = 3  # exit status when the numbers miss a gate (`qnn-mutbuf run --help`)
+# The small seed model at 8a8w, 6 calibration steps, 5 steps of decode_steps(seed=3) on
+# the host simulator (SM8650): step 0 writes -0.9915, below the output encoding's minimum
+# -0.9771 (scale 0.00776, zero point 126), so every step is 0.0143 = 1.85 output steps off
+# fp32; fake-quant is matched exactly on steps 0-3 and one output step off on step 4.
+MIN_SQNR_VS_FP32_DB = 58.0  # measured 63.5 dB falling to 60.0 dB at step 4
+WORST_STEPS_VS_FAKE_QUANT = 1.01  # measured 1.00 (step 4); fake-quant SQNR there 72.1 dB
 
 
-def cli(*arguments, check=True):
+def cli(*arguments, check=True, env=None):
     result = subprocess.run(
-        [sys.executable, "-m", "qnn_mutbuf.cli", *arguments], capture_output=True, text=True
+        [sys.executable, "-m", "qnn_mutbuf.cli", *arguments],
+        capture_output=True,
+        text=True,
+        env=None if env is None else {**os.environ, **env},
     )
     if check:
         assert result.returncode == 0, result.stderr + result.stdout
@@ -40,11 +52,28 @@ def test_demo_prints_the_per_step_table():
     assert "[INFO]" not in result.stdout + result.stderr, "QNN's own logs leaked into the output"
 
 
-def test_doctor_passes_on_this_machine():
-    result = cli("doctor")
+def test_doctor_passes_on_this_machine(tmp_path):
+    # This machine has no ~/.qai_hub/client.ini; pointing qai-hub at a missing file
+    # gives the same line on a machine that has one.
+    missing = tmp_path / "client.ini"
+    result = cli("doctor", env={"QAIHUB_CLIENT_INI": str(missing)})
     assert "QAIRT          2." in result.stdout
     assert "HTP device     created for SM8650" in result.stdout
-    assert "api_token" not in result.stdout.lower() or "configure" in result.stdout
+    aihub = next(line for line in result.stdout.splitlines() if line.startswith("AI Hub"))
+    status = "not configured: run `qai-hub configure --api_token <your token>`"
+    assert aihub == f"AI Hub         {status}"
+
+
+def test_doctor_never_shows_the_ai_hub_token(tmp_path, monkeypatch):
+    # doctor prints `AI Hub` + aihub_configuration(); a subprocess would cost a doctor run.
+    from qnn_mutbuf.runners.aihub import aihub_configuration
+
+    config = tmp_path / "client.ini"
+    token = "t0ken-that-must-not-be-printed"
+    url = "https://app.aihub.qualcomm.com"
+    config.write_text(f"[api]\napi_token = {token}\napi_url = {url}\nweb_url = {url}\n")
+    monkeypatch.setenv("QAIHUB_CLIENT_INI", str(config))
+    assert aihub_configuration() == f"configured ({config})"
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +115,61 @@ def test_run_host_with_reference_report_and_plot(exported):
         str(report),
         "--plot",
         str(plot),
+        "--fail-below-sqnr",
+        str(MIN_SQNR_VS_FP32_DB),
+        "--max-steps-off",
+        str(WORST_STEPS_VS_FAKE_QUANT),
     )
     assert "step   4:" in result.stdout
     assert "vs fake-quant" in result.stdout
     data = json.loads(report.read_text())
     assert data["steps"] == 5
-    fake_quant = next(c for c in data["comparisons"] if c["reference"] == "fake-quant")
-    assert max(float(row["steps_of_encoding"] or 0) for row in fake_quant["rows"]) <= 1.01 or all(
-        float(row["max_abs_error"]) < 0.01 for row in fake_quant["rows"]
-    )
+    assert data["gates"]["misses"] == []
+    comparisons = {c["reference"]: c["rows"] for c in data["comparisons"]}
+    assert [len(rows) for rows in comparisons.values()] == [5, 5]
+    for rows in comparisons.values():
+        assert all(row["steps_of_encoding"] is not None for row in rows), rows
+    assert max(row["steps_of_encoding"] for row in comparisons["fake-quant"]) <= 1.01
+    assert min(row["sqnr_db"] for row in comparisons["fake-quant"]) > 70.0
+    fp32_sqnr = [row["sqnr_db"] for row in comparisons["fp32"]]
+    assert all(math.isfinite(db) and db > MIN_SQNR_VS_FP32_DB for db in fp32_sqnr), fp32_sqnr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_gates_that_cannot_pass_exit_3_naming_the_step(exported, tmp_path):
+    folder, pte = exported
+    report = tmp_path / "report.json"
+    result = cli(
+        "run",
+        "host",
+        str(pte),
+        "--inputs",
+        str(folder / "steps.pt"),
+        "--reference",
+        SMALL,
+        "--report",
+        str(report),
+        "--fail-below-sqnr",
+        "200",
+        "--max-steps-off",
+        "0",
+        check=False,
+    )
+    assert result.returncode == GATE_MISSED, result.stderr + result.stdout
+    assert "vs fake-quant" in result.stdout, "the table is printed before the gate fails"
+    assert result.stderr.splitlines() == [
+        "qnn-mutbuf run: error: step 0 output 0: SQNR 63.5 dB vs fp32 is below "
+        "--fail-below-sqnr 200 (first of 6 misses)"
+    ]
+    misses = json.loads(report.read_text())["gates"]["misses"]
+    assert [miss.split(":")[0] for miss in misses] == [
+        *(f"step {step} output 0" for step in range(5)),
+        "step 4 output 0",
+    ]
+    assert misses[-1] == (
+        "step 4 output 0: 1.00 steps of the output encoding off fake-quant is above "
+        "--max-steps-off 0"
+    )
 
 
 def test_run_errors_are_one_line_each(exported, tmp_path):
@@ -121,3 +195,11 @@ def test_run_errors_are_one_line_each(exported, tmp_path):
     assert result.returncode == 1 and "--plot needs --reference" in result.stderr
     assert "step   0" not in result.stdout, "the steps ran before the bad option was refused"
     assert not report.exists() and not (tmp_path / "e.png").exists()
+    result = cli(*arguments, "--fail-below-sqnr", "30", "--max-steps-off", "1", check=False)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "qnn-mutbuf run: error: --fail-below-sqnr and --max-steps-off need --reference: "
+        "there is nothing to gate against without one."
+    ]
+    assert "step   0" not in result.stdout, "the steps ran before the bad option was refused"
+    assert not report.exists()

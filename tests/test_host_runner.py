@@ -91,11 +91,11 @@ def test_runner_rejects_bad_inputs_by_name(conv_program):
     x, y = conv_program[2][0]
     with pytest.raises(InputError, match="takes 2 inputs"):
         runner.step(x)
-    with pytest.raises(InputError, match=r"input 1 has shape \[1, 9\]"):
+    with pytest.raises(InputError, match=r"step 0: input\[1\]: expected \(1, 8\), got \(1, 9\)"):
         runner.step(x, torch.zeros(1, 9))
-    with pytest.raises(InputError, match="input 0 has dtype float64"):
+    with pytest.raises(InputError, match=r"input\[0\]: expected dtype float32, got float64"):
         runner.step(x.double(), y)
-    with pytest.raises(InputError, match="input 1 must be a tensor"):
+    with pytest.raises(InputError, match=r"input\[1\]\[0\]: expected a tensor"):
         runner.step(x, [1.0])
     assert runner.steps_run == 0
 

@@ -213,3 +213,29 @@ def finalize_state_specs(graph_module: GraphModule) -> None:
         for arg, spec in list(annotation.input_qspec_map.items()):
             annotation.input_qspec_map[arg] = resolve(spec, (arg, node))
         annotation.output_qspec = resolve(annotation.output_qspec, node)
+
+
+def scatter_annotator(upstream_rule: object, value_argument: int):
+    """The annotate function of a scatter into state (index_put, index_copy).
+
+    On a floating-point mutable buffer the buffer input stays unannotated (an
+    observer there would be a second, wrong encoding of the same memory) and the
+    written values and the result take the state encoding, so the scatter on the HTP
+    is a pure copy. An integer scatter (a ring cache's ``cache_positions``) is not
+    quantized at all: upstream's rule would quantize int64 positions and the
+    reference then fails ("Expecting input to have dtype torch.float32"). Anything
+    else (a clone, an input) keeps upstream's rule.
+    """
+
+    def annotate_scatter(node: Node, quantization_config: object) -> None:
+        if not is_float_value(node):
+            return
+        encoding = encoding_of(node)
+        if encoding is None:
+            upstream_rule.annotate(node, quantization_config)
+            return
+        value = node.args[value_argument]
+        inputs = {value: encoding.shared} if is_float_value(value) else {}
+        annotate(node, inputs, output_spec(node, encoding))
+
+    return annotate_scatter

@@ -30,3 +30,17 @@ def fake_like(
         return torch.empty(shape, dtype=dtype, device="meta")
     with mode:
         return torch.empty(shape, dtype=dtype)
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """``file:line: code`` of the user code that produced `node` (from its stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+    for index in range(len(lines) - 1, -1, -1):
+        if lines[index].startswith('File "'):
+            location = lines[index]
+            path = location.split('"')[1]
+            number = location.split(", line ")[1].split(",")[0]
+            code = lines[index + 1] if index + 1 < len(lines) else ""
+            return f"{path}:{number}: {code}".rstrip(": ")
+    return "no source line recorded"

@@ -27,7 +27,12 @@ import torch
 
 from qnn_mutbuf.context_binary import compiled_soc
 from qnn_mutbuf.errors import DeviceError
-from qnn_mutbuf.program_io import check_step_inputs, load_pte_bytes, read_program_io
+from qnn_mutbuf.program_io import (
+    TensorSpec,
+    check_step_inputs,
+    load_pte_bytes,
+    read_program_io,
+)
 from qnn_mutbuf.soc import htp_arch
 
 logger = logging.getLogger(__name__)
@@ -271,6 +276,14 @@ class AdbRunner:
         checked = [
             check_step_inputs(self.io.inputs, step, index) for index, step in enumerate(steps)
         ]
+        constants = [s.describe() for s in self.io.inputs if not isinstance(s, TensorSpec)]
+        if constants:
+            # qnn_executor_runner reads one raw tensor file per input, nothing else.
+            raise DeviceError(
+                f"The program takes non-tensor inputs ({', '.join(constants)}), which "
+                "qnn_executor_runner cannot feed. Pass them as tensors in the model, or use "
+                "`run host`."
+            )
         work = f"{self.device_root}/run-{uuid.uuid4().hex[:12]}"
         with tempfile.TemporaryDirectory(prefix="qnn_mutbuf_adb_") as scratch_name:
             scratch = Path(scratch_name)

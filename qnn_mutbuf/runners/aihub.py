@@ -128,13 +128,13 @@ class AiHubRunner:
         user_inputs = sorted(
             (t for t in self.inputs if t.mutbuf is None and not t.is_loaded_flag), key=_sort_key
         )
-        if len(user_inputs) != len(self.io.inputs):
+        if len(user_inputs) != len(self.io.tensor_inputs):
             raise AiHubError(
                 f"The context binary takes {len(user_inputs)} inputs besides its delegated "
-                f"state, the program {len(self.io.inputs)}: part of the program runs on the CPU "
-                "or its mutable buffers were kept at top level. AI Hub runs only the context "
-                "binary: lower with delegate_mutable_buffers=True (no --no-delegate-buffers) "
-                "and every op on the HTP, or use `run host` / `run adb`."
+                f"state, the program {len(self.io.tensor_inputs)}: part of the program runs on "
+                "the CPU or its mutable buffers were kept at top level. AI Hub runs only the "
+                "context binary: lower with delegate_mutable_buffers=True "
+                "(no --no-delegate-buffers) and every op on the HTP, or use `run host` / `run adb`."
             )
         self.user_inputs = user_inputs
         state_inputs = {t.mutbuf: t for t in self.inputs if t.mutbuf is not None}
@@ -187,7 +187,11 @@ class AiHubRunner:
         """One inference job per step; the state outputs of step k feed step k+1."""
         from qnn_mutbuf.progress import progress
 
-        checked = [check_step_inputs(self.io.inputs, s, i) for i, s in enumerate(steps)]
+        # Constant (non-tensor) inputs were folded into the graph at export.
+        checked = [
+            [v for v in check_step_inputs(self.io.inputs, s, i) if isinstance(v, torch.Tensor)]
+            for i, s in enumerate(steps)
+        ]
         self._upload()
         state = {
             k: np.zeros(pair[0].shape, dtype=pair[0].numpy_dtype)
