@@ -57,7 +57,9 @@ def main() -> int:
                 fp32 = EagerRunner(make_model().eval()).run(steps)
                 for delegate in (True, False):
                     with captured_native_output(True):
-                        program = lower(quantized, calibration[0], delegate_mutable_buffers=delegate)
+                        program = lower(
+                            quantized, calibration[0], delegate_mutable_buffers=delegate
+                        )
                         device = HostRunner(program.buffer).run(steps)
                     versus_fq = compare_steps("fake-quant", fake_quant, device, scales)
                     versus_fp32 = compare_steps("fp32", fp32, device, scales)

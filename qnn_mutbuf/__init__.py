@@ -23,6 +23,7 @@ _EXPORTS = {
     "AdbRunner": "qnn_mutbuf.runners.adb",
     "AiHubRunner": "qnn_mutbuf.runners.aihub",
     "host_sdk_info": "qnn_mutbuf.sdk.activation",
+    "diagnose": "qnn_mutbuf.diagnosis",
 }
 
 __all__ = sorted(_EXPORTS)

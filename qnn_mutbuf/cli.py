@@ -136,6 +136,50 @@ def _parser() -> argparse.ArgumentParser:
         help="keep the cache at top level instead of inside the delegate",
     )
     demo.add_argument("--small", action="store_true", help="use a (1, 64, 2, 8) cache")
+
+    diagnose = commands.add_parser(
+        "diagnose",
+        help="name the first op and step where the HTP departs from the CPU",
+        description="Quantize MODEL, lower a debug program in which every quantized value is "
+        "also an output, run the steps in order on the host simulator and compare every node "
+        "at every step with fake-quant (and fake-quant with fp32). The program you ship is "
+        "not changed.",
+    )
+    diagnose.add_argument(
+        "model", metavar="MODEL", help="package.module:factory or file.py:factory"
+    )
+    diagnose.add_argument(
+        "--inputs", type=Path, required=True, help="torch.save'd list of per-step input tuples"
+    )
+    diagnose.add_argument(
+        "--steps", type=int, default=None, metavar="N", help="run the first N steps"
+    )
+    diagnose.add_argument("--soc", default=DEFAULT_SOC, help="target SoC (default: SM8650)")
+    diagnose.add_argument("--quant", choices=QUANT_CHOICES[:-1], default="8a8w")
+    diagnose.add_argument(
+        "--no-delegate-buffers",
+        action="store_true",
+        help="keep mutable buffers at top level instead of inside the delegate",
+    )
+    diagnose.add_argument(
+        "--calibration-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="use only the first N calibration steps of the factory",
+    )
+    diagnose.add_argument(
+        "--threshold",
+        type=_non_negative,
+        default=4.0,
+        metavar="N",
+        help="a node departs when it is more than N steps of its output encoding off "
+        "fake-quant (default 4)",
+    )
+    diagnose.add_argument("--report", type=Path, help="write every step and node as JSON")
+    diagnose.add_argument(
+        "--plot", type=Path, help="write a steps x nodes heat map of the error (matplotlib)"
+    )
     return parser
 
 
@@ -190,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "export": commands.export,
         "run": commands.run,
         "demo": commands.demo,
+        "diagnose": commands.diagnose,
     }[args.command]
     args.capture_native = not args.verbose
     try:

@@ -397,3 +397,35 @@ def demo(args: argparse.Namespace) -> int:
         f"min SQNR vs fp32: {tables[0].min_sqnr():.1f} dB"
     )
     return 0
+
+
+def diagnose(args: argparse.Namespace) -> int:
+    from qnn_mutbuf.diagnosis import diagnose as run_diagnosis
+    from qnn_mutbuf.model_spec import load_model
+
+    if args.plot:
+        from qnn_mutbuf.plot import pyplot
+
+        pyplot()  # before the long part: a missing matplotlib is one message, not a late one
+    steps = load_steps(args.inputs, args.steps)
+    loaded = load_model(args.model, args.calibration_steps)
+    with captured_native_output(args.capture_native):
+        diagnosis = run_diagnosis(
+            loaded.module,
+            steps,
+            calibration=loaded.calibration,
+            quant=args.quant,
+            soc=args.soc,
+            threshold=args.threshold,
+            delegate_mutable_buffers=not args.no_delegate_buffers,
+        )
+    print(diagnosis.format())
+    if args.report:
+        diagnosis.write_json(args.report)
+        print(f"wrote {args.report}")
+    if args.plot:
+        from qnn_mutbuf.diagnosis.heatmap import plot_lsb_heatmap
+
+        plot_lsb_heatmap(diagnosis, args.plot, title=f"{args.model} on {diagnosis.soc}")
+        print(f"wrote {args.plot}")
+    return 0

@@ -57,14 +57,16 @@ class MutableBufferQnnQuantizer(QnnQuantizer):
     (``set_default_quant_config``, ``set_submodule_qconfig_list``, recipes...).
 
     Args:
-        bound_attention_masks: also rewrite additive ``-inf`` masks on the scores
+        bound_attention_masks: rewrite additive ``-inf`` masks on the scores
             (``scores + where(c, 0, -inf)``, ``masked_fill``) into a bounded select
-            (see passes/attention_mask.py). Off by default: those masks quantize
-            exactly as they are. A masked position bias (``where(c, bias, -inf)``)
-            is always bounded, since quantized as it is the bias is lost.
+            (see passes/attention_mask.py). On by default: quantized as they are, the
+            masks cost real decoders most of their accuracy (16a8w, transformers
+            Qwen3 13 dB vs fp32, Gemma3 with a sliding window 2 dB; bounded 41 and
+            32 dB). ``False`` keeps them as they are. A masked position bias
+            (``where(c, bias, -inf)``) is always bounded.
     """
 
-    def __init__(self, *args, bound_attention_masks: bool = False, **kwargs) -> None:
+    def __init__(self, *args, bound_attention_masks: bool = True, **kwargs) -> None:
         activate_for_quantization()
         super().__init__(*args, **kwargs)
         self.bound_attention_masks = bound_attention_masks

@@ -7,7 +7,7 @@ replaces it with -65535): at 16 bits the real values get a step of about one, an
 the bias is lost. We turn ``where(c, x, -inf)`` into one select ``where(c, x,
 MASKED)`` tagged for :class:`MaskedScoresObserver`, which ranges over the real
 values only and places the masked value ``margin`` below the smallest of them (a
-masked position still gets a softmax weight below exp(-margin)). Opted in, the
+masked position still gets a softmax weight below exp(-margin)). By default, the
 additive form ``scores + where(c, 0, -inf)`` and ``masked_fill(scores, m, -inf)``
 become the same select over the scores.
 """
@@ -121,7 +121,61 @@ class BoundAttentionMasks(PassBase):
                 return condition, scores, self._masked_constant(node)
             if false_value == 0.0 and is_masked_value(true_value):
                 return condition, self._masked_constant(node), scores
+        for mask_index in (1, 0):
+            mask, scores = node.args[mask_index], node.args[1 - mask_index]
+            visible = self._visible_from_table(mask, graph_module)
+            if visible is not None and _same_shape(scores, node):
+                return visible, scores, self._masked_constant(node)
         return None
+
+    def _visible_from_table(self, mask: object, graph_module: GraphModule) -> Node | None:
+        """``eq(M'[...], 0)`` for a mask gathered from a constant 0 / -inf table.
+
+        ExecuTorch's Llama reads its mask as ``self.mask[input_pos]`` from a causal
+        table of 0 and -inf: the same chain of gathers and views is replayed on the
+        table with -inf replaced by MASKED_VALUE (both ends of its range, so exact
+        in any encoding) and compared with 0, which gives the select its condition.
+        """
+        chain: list[Node] = []
+        source = mask
+        while isinstance(source, Node) and source.op == "call_function":
+            if source.target not in _TABLE_READS:
+                return None
+            chain.append(source)
+            source = source.args[0]
+        if not chain or not isinstance(source, Node) or source.op != "get_attr":
+            return None
+        table = _attribute(graph_module, str(source.target))
+        if not isinstance(table, torch.Tensor) or not table.is_floating_point():
+            return None
+        masked = table <= MASK_THRESHOLD
+        if not bool(masked.any()) or not bool((table[~masked] == 0).all()):
+            return None
+        bounded = torch.where(masked, torch.tensor(MASKED_VALUE, dtype=table.dtype), 0.0)
+        name = _fresh_name(graph_module, str(source.target).replace(".", "_") + "_bounded")
+        graph_module.register_buffer(name, bounded.to(table.dtype), persistent=False)
+        graph = mask.graph
+        with graph.inserting_before(chain[-1]):
+            replayed = graph.get_attr(name)
+        replayed.meta.update(source.meta)
+        for link in reversed(chain):
+            with graph.inserting_before(link):
+                copied = graph.node_copy(
+                    link, lambda n, prev=replayed, link=link: prev if n is link.args[0] else n
+                )
+            replayed = copied
+        with graph.inserting_before(mask.next):
+            visible = graph.call_function(aten.eq.Scalar, (replayed, 0.0))
+        value = replayed.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            mode = getattr(value, "fake_mode", None)
+            if mode is not None:
+                with mode:
+                    visible.meta["val"] = torch.empty(value.shape, dtype=torch.bool)
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in mask.meta:
+                visible.meta[key] = mask.meta[key]
+        return visible
 
     def _from_masked_tensor(self, node: Node, graph_module: GraphModule):
         condition, on_true, on_false = node.args
@@ -155,6 +209,48 @@ class BoundAttentionMasks(PassBase):
             with mode:
                 constant.meta["val"] = torch.tensor(MASKED_VALUE)
         return constant
+
+
+_TABLE_READS = {
+    aten.index.Tensor,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.narrow.default,
+    aten.index_select.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.expand.default,
+    aten.alias.default,
+    aten.clone.default,
+}
+
+
+def _attribute(module: torch.nn.Module, path: str) -> object:
+    owner = module
+    for part in path.split("."):
+        owner = getattr(owner, part, None)
+    return owner
+
+
+def _fresh_name(module: torch.nn.Module, base: str) -> str:
+    name, index = base, 0
+    while hasattr(module, name):
+        index += 1
+        name = f"{base}_{index}"
+    return name
+
+
+def _same_shape(scores: object, node: Node) -> bool:
+    want = node.meta.get("val")
+    have = scores.meta.get("val") if isinstance(scores, Node) else None
+    return (
+        isinstance(want, torch.Tensor)
+        and isinstance(have, torch.Tensor)
+        and tuple(want.shape) == tuple(have.shape)
+    )
 
 
 class MaskedScoresObserver(MinMaxObserver):

@@ -7,7 +7,12 @@ which QnnQuantizer does not annotate; ExecuTorch later decomposes them into floa
 ops inside a quantized graph, and the QNN context binary fails to build. We rewrite
 them before annotation into ``add``/``sub``/``mul``/``div`` exactly as PyTorch
 defines them (``lerp(s, x, w) = s + w * (x - s)``), so each part is annotated and
-the state encoding reaches the final ``add``.
+the state encoding reaches the final ``add``. ``repeat_interleave`` (how
+ExecuTorch's Llama expands a cache for grouped-query heads) has no quant config
+either; left float next to a delegated cache, QNN rejects the Reshape around it
+("float32 in, ufixed16 out") and ExecuTorch then dies in
+``_unsafe_adjust_original_program`` ("Tried to erase Node getitem_19 but it still had
+1 users"). It becomes unsqueeze + expand + reshape.
 """
 
 from __future__ import annotations
@@ -19,11 +24,9 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from qnn_mutbuf.passes.functionalize import STATE_META_KEY
-from qnn_mutbuf.passes.graph_edit import edited
+from qnn_mutbuf.passes.graph_edit import SOURCE_META_KEYS, edited
 
 aten = torch.ops.aten
-
-_COPIED_META_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn", "from_node")
 
 
 def _lerp(emit, node: Node):
@@ -50,6 +53,22 @@ def _fma(emit, node: Node):
     return emit(aten.add.Tensor, emit(aten.mul.Tensor, first, second), addend)
 
 
+def _repeat_interleave(emit, node: Node):
+    """``x.repeat_interleave(r, dim)`` (grouped-query heads) as unsqueeze, expand and
+    reshape, the data movement QnnQuantizer annotates and the HTP runs."""
+    source, repeats = node.args[:2]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    value = source.meta.get("val") if isinstance(source, Node) else None
+    if not isinstance(repeats, int) or dim is None or not isinstance(value, torch.Tensor):
+        return None
+    shape = list(value.shape)
+    dim = dim % len(shape)
+    expanded = shape[: dim + 1] + [repeats] + shape[dim + 1 :]
+    merged = shape[:dim] + [shape[dim] * repeats] + shape[dim + 1 :]
+    unsqueezed = emit(aten.unsqueeze.default, source, dim + 1)
+    return emit(aten.reshape.default, emit(aten.expand.default, unsqueezed, expanded), merged)
+
+
 def _with_alpha(base):
     def rewrite(emit, node: Node):
         alpha = node.kwargs.get("alpha", 1)
@@ -68,10 +87,20 @@ REWRITES: dict[object, Callable] = {
     aten.lerp.Tensor: _lerp,
     aten.addcmul.default: _addc(aten.mul.Tensor),
     aten.addcdiv.default: _addc(aten.div.Tensor),
-    torch.ops.prims.fma.default: _fma,  # strict export's spelling of addcmul
+    aten.repeat_interleave.self_int: _repeat_interleave,
     aten.add.Tensor: _with_alpha(aten.add.Tensor),
     aten.sub.Tensor: _with_alpha(aten.sub.Tensor),
 }
+
+
+def _rewrite_of(node: Node) -> Callable | None:
+    if node.op != "call_function":
+        return None
+    # Strict export spells addcmul as prims.fma, an op torch registers only once
+    # inductor's prims are imported, so it is matched by name.
+    if str(node.target) == "prims.fma.default":
+        return _fma
+    return REWRITES.get(node.target)
 
 
 class SpellOutCompoundOps(PassBase):
@@ -79,7 +108,7 @@ class SpellOutCompoundOps(PassBase):
         graph = graph_module.graph
         changed = False
         for node in list(graph.nodes):
-            rewrite = REWRITES.get(node.target) if node.op == "call_function" else None
+            rewrite = _rewrite_of(node)
             value = node.meta.get("val")
             if rewrite is None or not isinstance(value, torch.Tensor):
                 continue
@@ -107,7 +136,7 @@ class SpellOutCompoundOps(PassBase):
 
         def emit(target, *args):
             created = graph.call_function(target, args)
-            for key in _COPIED_META_KEYS:
+            for key in SOURCE_META_KEYS:
                 if key in node.meta:
                     created.meta[key] = node.meta[key]
             if mode is not None:

@@ -31,14 +31,13 @@ from qnn_mutbuf.detect import (
     written_argument_index,
 )
 from qnn_mutbuf.errors import UnsupportedMutationError
-from qnn_mutbuf.passes.graph_edit import fake_like
+from qnn_mutbuf.passes.graph_edit import SOURCE_META_KEYS, fake_like
 
 aten = torch.ops.aten
 
 STATE_META_KEY = "qnn_mutbuf_state"
 """node.meta key: {"buffer": fqn, "role": "read" | "write" | "write_back"}."""
 
-_COPIED_META_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn", "from_node")
 
 _RESHAPE_VIEWS = {
     aten.view.default,
@@ -215,7 +214,7 @@ class FunctionalizeMutableBuffers(PassBase):
         self, template: Node, args: tuple, kwargs: dict, meta_from: Node, target: object = None
     ) -> Node:
         new = self._graph.call_function(target or template.target, tuple(args), dict(kwargs))
-        for key in (*_COPIED_META_KEYS, "val", "tensor_meta"):
+        for key in (*SOURCE_META_KEYS, "val", "tensor_meta"):
             if key in meta_from.meta:
                 new.meta[key] = meta_from.meta[key]
         return new

@@ -44,3 +44,8 @@ def source_line(node: torch.fx.Node) -> str:
             code = lines[index + 1] if index + 1 < len(lines) else ""
             return f"{path}:{number}: {code}".rstrip(": ")
     return "no source line recorded"
+
+
+SOURCE_META_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn", "from_node")
+"""What a node created in place of another keeps of it: the user's module, source
+line and provenance, for annotators, diagnose and error messages."""
