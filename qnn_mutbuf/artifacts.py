@@ -19,6 +19,10 @@ def write_atomically(path: str | os.PathLike, data: bytes | str) -> Path:
     try:
         with os.fdopen(handle, "wb") as stream:
             stream.write(data.encode() if isinstance(data, str) else data)
+        # mkstemp creates 0600; a program or report is an ordinary file (0666 - umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

@@ -97,6 +97,10 @@ def test_export_writes_program_and_sidecar(exported):
     assert buffer["encoding"]["scale"] > 0
     assert sidecar["partition"]["nodes_on_cpu"] == 0 and sidecar["partition"]["nodes_on_htp"] > 0
     assert not [p for p in folder.iterdir() if p.name.startswith(".")], "temporary files left"
+    umask = os.umask(0)
+    os.umask(umask)
+    for written in (pte, pte.with_suffix(".json")):
+        assert written.stat().st_mode & 0o777 == 0o666 & ~umask, "not an ordinary file mode"
 
 
 def test_run_host_with_reference_report_and_plot(exported):
