@@ -6,6 +6,7 @@ Public API, loaded lazily so that ``import qnn_mutbuf`` loads no QNN library:
 * :func:`find_mutable_buffers` - which buffers a graph mutates, and where;
 * :func:`reset_state` - a convert_pt2e module back at its initial state (the reference);
 * :func:`quantize` / :func:`lower` - the driver from nn.Module to ExecuTorch program;
+* :func:`diagnose` - the first op and step where the HTP departs from fake-quant;
 * :class:`HostRunner`, :class:`AdbRunner`, :class:`AiHubRunner` - run a `.pte` step by step.
 """
 
