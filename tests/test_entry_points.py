@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -94,6 +95,9 @@ PATH_PARAMS = [
 @pytest.mark.parametrize("path", PATH_PARAMS)
 @pytest.mark.parametrize("case", sorted(ENTRY_CASES))
 def test_state_survives_every_entry_point(case, path, quant, host_sdk):
+    if path == "drop_in" and quant == "8a8w" and os.environ.get("QNN_MUTBUF_SLOW") != "1":
+        # Same numbers as the quantize path at 8a8w (benchmarks/results/entry_points.md).
+        pytest.skip("slow tier: drop-in at 8a8w")
     if (case, path) in TORCH_LIMITS:
         pytest.skip(TORCH_LIMITS[case, path])
     make_model, make_steps, state_outputs = ENTRY_CASES[case]
