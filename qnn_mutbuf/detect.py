@@ -110,6 +110,21 @@ def alias_roots(graph: torch.fx.Graph, roots: dict[Node, str]) -> dict[Node, str
     return aliases
 
 
+def writes_into(graph: torch.fx.Graph, roots: dict[Node, str]) -> dict[str, list[Node]]:
+    """The in-place writes into each root (directly or through a view or an earlier
+    write of it), keyed by the root's name, in graph order."""
+    aliases = alias_roots(graph, roots)
+    found: dict[str, list[Node]] = {}
+    for node in graph.nodes:
+        index = written_argument_index(node)
+        if index is None or index >= len(node.args):
+            continue
+        written = node.args[index]
+        if isinstance(written, Node) and written in aliases:
+            found.setdefault(aliases[written], []).append(node)
+    return found
+
+
 def find_mutable_buffers(
     graph_module: GraphModule | ExportedProgram,
 ) -> dict[str, list[Node]]:
@@ -125,16 +140,7 @@ def find_mutable_buffers(
         if isinstance(graph_module, ExportedProgram)
         else graph_module.graph
     )
-    roots = buffer_nodes(graph_module)
-    aliases = alias_roots(graph, roots)
-    found: dict[str, list[Node]] = {}
-    for node in graph.nodes:
-        index = written_argument_index(node)
-        if index is None or index >= len(node.args):
-            continue
-        written = node.args[index]
-        if isinstance(written, Node) and written in aliases:
-            found.setdefault(aliases[written], []).append(node)
+    found = writes_into(graph, buffer_nodes(graph_module))
     if isinstance(graph_module, ExportedProgram):
         _add_signature_mutations(graph_module, found)
     return found

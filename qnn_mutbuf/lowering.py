@@ -24,10 +24,10 @@ from qnn_mutbuf.passes.initial_state import STARTED_BUFFER
 from qnn_mutbuf.progress import progress, stage
 from qnn_mutbuf.records import (
     RECORD_KEY,
-    QuantizationRecord,
     StateEncodingRecord,
     record_initial_state,
     record_of,
+    replace_buffers,
     reset_state,
 )
 
@@ -405,7 +405,7 @@ def lower_graph_module(
     if record is not None:
         # The program starts from the model's initial state, not from what
         # calibration left in the buffers of a convert_pt2e module (drop-in path).
-        start_from_initial_state(graph_module, record)
+        replace_buffers(graph_module, record.initial_state)
     PromoteScalarBuffers()(graph_module)
     mutable = find_mutable_buffers(graph_module)
     if delegate_mutable_buffers and mutable:
@@ -452,19 +452,6 @@ def lower_graph_module(
             )
         )
     return program, report
-
-
-def start_from_initial_state(graph_module: GraphModule, record: QuantizationRecord) -> None:
-    """Gives `graph_module` its own copies of the mutable buffers, holding the
-    recorded initial state (the caller's module keeps its tensors)."""
-    for name, initial in record.initial_state.items():
-        try:
-            current = graph_module.get_buffer(name)
-        except AttributeError:
-            continue
-        owner_path, _, attribute = name.rpartition(".")
-        owner = graph_module.get_submodule(owner_path) if owner_path else graph_module
-        owner.register_buffer(attribute, initial.detach().clone().reshape(current.shape))
 
 
 def _report(program, soc, fp16, delegate, mutable, top_level) -> LoweringReport:

@@ -32,7 +32,7 @@ from qnn_mutbuf.passes.functionalize import STATE_META_KEY
 from qnn_mutbuf.passes.gather_tables import pad_narrow_gather_tables
 from qnn_mutbuf.passes.integer_arithmetic import integer_arithmetic_nodes
 from qnn_mutbuf.passes.state_graph import functional_state_graph
-from qnn_mutbuf.records import RECORD_KEY, own_buffer_copies, record_initial_state
+from qnn_mutbuf.records import RECORD_KEY, record_initial_state, replace_buffers
 from qnn_mutbuf.sdk.activation import activate_for_quantization
 
 
@@ -127,7 +127,7 @@ class MutableBufferQnnQuantizer(QnnQuantizer):
         original_meta[RECORD_KEY] = record
         # Non-strict export shares buffer tensors with the user's module: without
         # copies of its own, calibration would also change the user's eager model.
-        own_buffer_copies(model, mutable)
+        replace_buffers(model, {name: model.get_buffer(name) for name in mutable})
         model = requantize_fixed_encoding_writes(model)
         model = pad_narrow_gather_tables(model)
         model = super().transform_for_annotation(model)

@@ -60,12 +60,17 @@ def record_initial_state(graph_module: GraphModule, names: list[str]) -> Quantiz
     return record
 
 
-def own_buffer_copies(graph_module: GraphModule, names: list[str]) -> None:
-    """Replaces the named buffers of `graph_module` by copies of their tensors."""
-    for name in names:
+def replace_buffers(graph_module: GraphModule, values: dict[str, torch.Tensor]) -> None:
+    """Registers a copy of each value in place of the named buffer (reshaped to it),
+    so that `graph_module` stops sharing that tensor with any other module."""
+    for name, value in values.items():
+        try:
+            current = graph_module.get_buffer(name)
+        except AttributeError:
+            continue
         owner_path, _, attribute = name.rpartition(".")
         owner = graph_module.get_submodule(owner_path) if owner_path else graph_module
-        owner.register_buffer(attribute, graph_module.get_buffer(name).detach().clone())
+        owner.register_buffer(attribute, value.detach().clone().reshape(current.shape))
 
 
 def reset_state(module: torch.nn.Module) -> torch.nn.Module:

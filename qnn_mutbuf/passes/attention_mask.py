@@ -15,13 +15,14 @@ become the same select over the scores.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torchao.quantization.pt2e import MinMaxObserver
 
-from qnn_mutbuf.passes.graph_edit import edited
+from qnn_mutbuf.passes.graph_edit import edited, fresh_attribute_name
 
 aten = torch.ops.aten
 
@@ -145,14 +146,14 @@ class BoundAttentionMasks(PassBase):
             source = source.args[0]
         if not chain or not isinstance(source, Node) or source.op != "get_attr":
             return None
-        table = _attribute(graph_module, str(source.target))
+        table = operator.attrgetter(str(source.target))(graph_module)
         if not isinstance(table, torch.Tensor) or not table.is_floating_point():
             return None
         masked = table <= MASK_THRESHOLD
         if not bool(masked.any()) or not bool((table[~masked] == 0).all()):
             return None
         bounded = torch.where(masked, torch.tensor(MASKED_VALUE, dtype=table.dtype), 0.0)
-        name = _fresh_name(graph_module, str(source.target).replace(".", "_") + "_bounded")
+        name = fresh_attribute_name(graph_module, str(source.target).replace(".", "_") + "_bounded")
         graph_module.register_buffer(name, bounded.to(table.dtype), persistent=False)
         graph = mask.graph
         with graph.inserting_before(chain[-1]):
@@ -226,21 +227,6 @@ _TABLE_READS = {
     aten.alias.default,
     aten.clone.default,
 }
-
-
-def _attribute(module: torch.nn.Module, path: str) -> object:
-    owner = module
-    for part in path.split("."):
-        owner = getattr(owner, part, None)
-    return owner
-
-
-def _fresh_name(module: torch.nn.Module, base: str) -> str:
-    name, index = base, 0
-    while hasattr(module, name):
-        index += 1
-        name = f"{base}_{index}"
-    return name
 
 
 def _same_shape(scores: object, node: Node) -> bool:

@@ -49,3 +49,12 @@ def source_line(node: torch.fx.Node) -> str:
 SOURCE_META_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn", "from_node")
 """What a node created in place of another keeps of it: the user's module, source
 line and provenance, for annotators, diagnose and error messages."""
+
+
+def fresh_attribute_name(module: torch.nn.Module, base: str) -> str:
+    """`base`, or `base_1`, `base_2`... whichever `module` does not have yet."""
+    name, index = base, 0
+    while hasattr(module, name):
+        index += 1
+        name = f"{base}_{index}"
+    return name

@@ -17,7 +17,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from qnn_mutbuf.passes.graph_edit import edited
+from qnn_mutbuf.passes.graph_edit import edited, fresh_attribute_name
 
 
 def _set_grad_op():
@@ -60,8 +60,9 @@ class InlineSetGradRegions(PassBase):
                     continue
                 if inner.op == "get_attr":
                     # A constant of the body: give it a home in the parent module.
-                    name = _fresh_attr(graph_module, str(inner.target))
-                    setattr(graph_module, name, _get(body, str(inner.target)))
+                    base = "_inlined_" + str(inner.target).replace(".", "_")
+                    name = fresh_attribute_name(graph_module, base)
+                    setattr(graph_module, name, operator.attrgetter(str(inner.target))(body))
                     copied = graph.get_attr(name)
                     copied.meta.update(inner.meta)
                 else:
@@ -78,22 +79,6 @@ class InlineSetGradRegions(PassBase):
         if not body_node.users:
             graph.erase_node(body_node)
             delattr(graph_module, body_node.target)
-
-
-def _get(module: torch.nn.Module, path: str):
-    owner = module
-    for part in path.split("."):
-        owner = getattr(owner, part)
-    return owner
-
-
-def _fresh_attr(graph_module: GraphModule, name: str) -> str:
-    base = "_inlined_" + name.replace(".", "_")
-    candidate, index = base, 0
-    while hasattr(graph_module, candidate):
-        index += 1
-        candidate = f"{base}_{index}"
-    return candidate
 
 
 def inline_set_grad_regions(graph_module: GraphModule) -> GraphModule:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from qnn_mutbuf.detect import alias_roots, written_argument_index
+from qnn_mutbuf.detect import writes_into
 from qnn_mutbuf.passes.graph_edit import edited, source_line
 
 logger = logging.getLogger(__name__)
@@ -50,15 +50,7 @@ class PromoteWrittenConstants(PassBase):
         }
         if not constants:
             return PassResult(graph_module, False)
-        aliases = alias_roots(graph, constants)
-        written: dict[str, Node] = {}
-        for node in graph.nodes:
-            index = written_argument_index(node)
-            if index is None or index >= len(node.args):
-                continue
-            destination = node.args[index]
-            if isinstance(destination, Node) and destination in aliases:
-                written.setdefault(aliases[destination], node)
+        written = {target: writers[0] for target, writers in writes_into(graph, constants).items()}
         by_storage = {
             _storage_key(value): name
             for name, value in graph_module.named_buffers(remove_duplicate=False)
